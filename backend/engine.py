@@ -1,0 +1,377 @@
+"""The Engine: a background loop thread that schedules, launches and reads steps one ahead of the GPU."""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Iterable, Sequence
+
+import torch
+
+from .config import EngineConfig
+from .engine_setup import EngineParts, build_engine_parts
+from .outputs import OutputProcessor, RequestStream, StepEvent
+from .request import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request, RequestOutput, \
+    RequestStatus, SamplingParams
+from .runner import StepResult, StepState
+
+log = logging.getLogger("tandem.engine")
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full: retry later."""
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has stopped; no new requests are accepted."""
+
+
+_MAX_CONSECUTIVE_FAULTS = 3
+
+
+class Engine:
+    """Continuous-batching LLM engine; thread-safe front, one background loop thread."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = (config or EngineConfig()).validate()
+        parts: EngineParts = build_engine_parts(self.config)
+        self.parts = parts
+        self.tokenizer = parts.tokenizer
+        self.device = parts.device
+        self.spec = parts.model.spec
+        self.max_model_len = parts.max_model_len
+        self.async_pipeline = parts.async_pipeline
+        self.timeline = parts.timeline
+        self.block_manager = parts.block_manager
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, Request] = {}  # engine thread only
+        self._ids_lock = threading.Lock()
+        self._active_ids: set[str] = set()
+        self._waiting_count = 0  # approximate, for the bounded queue (updated under _ids_lock)
+        self._id_counter = itertools.count()
+        self._stopping = False
+        self._healthy = True
+        self._consecutive_faults = 0
+        self._inflight: StepState | None = None
+        self._steps = 0
+        self._fault_every = int(self.config.extra.get("fault_every_n_steps", 0))
+        self._stats_snapshot: dict = {}
+        self.outputs = OutputProcessor(self.tokenizer, self._on_stop_string, self._release_id)
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API (any thread) -----------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self._healthy and self._thread.is_alive() and not self._stopping
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, sink=None) -> RequestStream | None:
+        """Queue a request; returns a stream of its outputs, or None when a sink receives them."""
+        if not self.healthy:
+            raise EngineDead("the engine is not running")
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        self._check_request(token_ids, params)
+        request_id = str(request_id) if request_id is not None else f"req-{next(self._id_counter)}"
+        with self._ids_lock:
+            if request_id in self._active_ids:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            if len(self._active_ids) >= self.config.max_waiting_requests + self.config.max_num_seqs:
+                raise EngineOverloaded(
+                    f"{len(self._active_ids)} requests in flight (limit {self.config.max_waiting_requests} "
+                    f"waiting + {self.config.max_num_seqs} running); retry later")
+            self._active_ids.add(request_id)
+        seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + hash(request_id)) & 0x7FFFFFFF
+        eos = frozenset(self.spec.eos_token_ids)
+        req = Request(request_id, token_ids, params, seed, eos)
+        stream = None
+        if sink is None:
+            stream = RequestStream(request_id, self)
+            sink = stream.queue
+        self.outputs.register(req, sink)
+        self._inbox.put(("add", req))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; it gets a final output with finish_reason 'abort' (no-op if already done)."""
+        self._inbox.put(("abort", str(request_id), FINISH_ABORT))
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise ValueError("prompts must be a list of strings or a list of token-id lists")
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        ids = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                rid = f"gen-{next(self._id_counter)}"
+                self.add_request(prompt, p, request_id=rid, sink=sink)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        finals: dict[str, RequestOutput] = {}
+        while len(finals) < len(ids):
+            out = sink.get()
+            if out.finished:
+                finals[out.request_id] = out
+        return [finals[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        """Figures for metrics: queue sizes, KV usage, prefix hits, preemptions, busy fraction."""
+        snap = dict(self._stats_snapshot)
+        snap["healthy"] = self.healthy
+        return snap
+
+    def set_timeline(self, enabled: bool) -> None:
+        self._inbox.put(("timeline", enabled, None))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; every unfinished request gets a final output with finish_reason 'abort'."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._inbox.put(("stop", None, None))
+        self._thread.join(timeout)
+        self.outputs.close()
+
+    # ---- input checks (caller thread) ------------------------------------------------------------
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt token ids are empty")
+        vocab = self.spec.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        params.check_limits(self.config.max_stop_strings, self.config.max_stop_string_length, self.spec.vocab_size)
+        n = len(token_ids)
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum model length "
+                f"({self.max_model_len}); shorten the prompt or lower max_tokens")
+        capacity = self.block_manager.num_usable_blocks * self.block_manager.block_size
+        if n + params.max_tokens > capacity:
+            raise ValueError(
+                f"prompt + max_tokens ({n + params.max_tokens} tokens) exceeds the KV cache ({capacity} tokens); "
+                f"lower max_tokens or give the engine more KV blocks")
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stopping:
+                    idle = not self.scheduler.has_work() and self._inflight is None
+                    self._drain_inbox(block=idle)
+                    if self._stopping:
+                        break
+                    try:
+                        self._step()
+                        self._consecutive_faults = 0
+                    except Exception as exc:  # a failed step fails its requests, not the server
+                        self._recover(exc)
+                self._drain_inflight()
+        except BaseException as exc:  # the loop itself broke: nothing can be served any more
+            log.exception("engine loop died")
+            self._healthy = False
+            self._fail_all(f"engine loop died: {exc}")
+        finally:
+            self._fail_all("engine shut down", reason=FINISH_ABORT)
+
+    def _step(self) -> None:
+        tl = self.timeline
+        with tl.cpu_span("schedule"):
+            batch = self.scheduler.schedule()
+        cur = None
+        if batch is not None:
+            if self._fault_every and (self._steps + 1) % self._fault_every == 0:
+                raise RuntimeError(f"injected fault at step {self._steps + 1} (test hook)")
+            with tl.cpu_span("pack"):
+                cur = self.runner.pack(batch, self._inflight)
+            with tl.cpu_span("launch"):
+                self.runner.launch(cur, self._inflight)
+            self._steps += 1
+        prev = self._inflight
+        self._inflight = cur
+        if prev is not None:
+            self._complete(prev, next_state=cur)
+        if not self.async_pipeline and cur is not None:
+            self._inflight = None
+            self._complete(cur, next_state=None)
+        if batch is None and prev is None:
+            time.sleep(0.001)  # nothing could be scheduled (cannot happen with valid requests); don't spin
+        tl.next_step()
+        self._refresh_stats()
+
+    def _complete(self, st: StepState, next_state: StepState | None) -> None:
+        result = self.runner.read(st)  # the one blocking call of a step
+        with self.timeline.cpu_span("update"):
+            events = self._update(st, result, next_state)
+            if events:
+                self.outputs.push(events)
+
+    def _update(self, st: StepState, result: StepResult, next_state: StepState | None) -> list[StepEvent]:
+        events: list[StepEvent] = []
+        lps = result.logprobs
+        for i, (req, tok) in enumerate(zip(result.requests, result.token_ids)):
+            req.num_pending -= 1
+            if req.is_finished:
+                continue  # finished while this step was queued: its token is dropped
+            req.output_token_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            lp = None
+            if lps is not None:
+                top = None
+                if result.top_ids is not None and req.params.logprobs:
+                    k = req.params.logprobs
+                    top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k]))
+                lp = (lps[i], top)
+            reason = self._stop_reason(req, tok)
+            events.append(StepEvent(req.request_id, tok, lp, reason))
+            if reason is not None:
+                self._finish(req, reason, next_state)
+        for req in st.batch.requests:
+            if not req.is_finished:
+                self.block_manager.register_full_blocks(req, req.num_computed_tokens)
+        for req in st.batch.free_after:
+            self.block_manager.free(req)
+        return events
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        n_out = len(req.output_token_ids)
+        if n_out > p.min_tokens:  # an EOS before min_tokens does not end the request
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_token_ids):
+                return FINISH_STOP
+        if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FINISH_LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: str, next_state: StepState | None) -> None:
+        """Mark req finished once; its blocks return now, or after the queued step that still writes them."""
+        if req.is_finished:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.scheduler.remove(req)
+        self._requests.pop(req.request_id, None)
+        if next_state is not None and req.last_step_id == next_state.batch.step_id:
+            next_state.batch.free_after.append(req)
+        else:
+            self.block_manager.free(req)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, a, b = item if len(item) == 3 else (item[0], item[1], None)
+            if kind == "add":
+                self._requests[a.request_id] = a
+                self.scheduler.add(a)
+            elif kind == "abort":
+                req = self._requests.get(a)
+                if req is not None:
+                    self._finish(req, b, self._inflight)
+                    self.outputs.push([StepEvent(a, None, None, b)])
+            elif kind == "timeline":
+                if a:
+                    self.timeline.enable()
+                else:
+                    self.timeline.disable()
+            elif kind == "stop":
+                self._stopping = True
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _on_stop_string(self, request_id: str) -> None:
+        """The output thread found a stop string: finish the request at the next schedule."""
+        self._inbox.put(("abort", request_id, FINISH_STOP))
+
+    def _release_id(self, request_id: str) -> None:
+        with self._ids_lock:
+            self._active_ids.discard(request_id)
+
+    def _drain_inflight(self) -> None:
+        """Read the step still on the device before stopping, so its blocks are returned."""
+        if self._inflight is not None:
+            st, self._inflight = self._inflight, None
+            try:
+                self._complete(st, None)
+            except Exception:
+                log.exception("failed to read the last step")
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised: every in-flight request gets an error; state is reset for new requests."""
+        log.error("engine step failed: %s", exc)
+        self._consecutive_faults += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # why: no queued step may still touch buffers we reset
+        self._inflight = None
+        for slot in self.runner.pipeline.slots:
+            slot.in_use = False
+        self._fail_all(f"engine step failed: {exc}")
+        if self._consecutive_faults >= _MAX_CONSECUTIVE_FAULTS:
+            self._healthy = False
+            self._stopping = True
+
+    def _fail_all(self, message: str, reason: str = FINISH_ERROR) -> None:
+        """Finish every known request with reason (error or abort) and return all KV blocks."""
+        for req in list(self._requests.values()):
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = reason
+            self.block_manager.free(req)
+            self.outputs.push([StepEvent(req.request_id, None, None, reason, message)])
+        self._requests.clear()
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        while True:  # requests still in the inbox were accepted too: answer them
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "add":
+                self.outputs.push([StepEvent(item[1].request_id, None, None, reason, message)])
+        self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        bm, sch = self.block_manager, self.scheduler
+        snap = {
+            "running": len(sch.running),
+            "waiting": len(sch.waiting),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_usable_blocks,
+            "kv_usage": bm.usage(),
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "prefix_cache_hit_rate": bm.hit_rate(),
+            "preemptions": sch.num_preemptions,
+            "steps": self._steps,
+        }
+        if self.timeline.enabled and self._steps % 256 == 0 and self._steps:
+            recent = self.timeline.summary(since_step=self.timeline.current_step - 256)
+            snap["gpu_busy_fraction"] = recent["gpu_busy_fraction"]
+        elif "gpu_busy_fraction" in self._stats_snapshot:
+            snap["gpu_busy_fraction"] = self._stats_snapshot["gpu_busy_fraction"]
+        self._stats_snapshot = snap

@@ -1,0 +1,97 @@
+"""Builds an engine's parts from its config: device, model, tokenizer, KV cache, scheduler, runner."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .kv_cache import BlockManager
+from .models import load_model, resolve_model_path
+from .pipeline import SlotLayout
+from .request import MAX_LOGPROBS
+from .runner import ModelRunner
+from .scheduler import Scheduler
+from .timeline import Timeline
+
+log = logging.getLogger("tandem.engine")
+
+_DEFAULT_MAX_LEN_CAP = 32768
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineParts:
+    """Everything the engine loop works with."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model: object
+    tokenizer: object
+    max_model_len: int
+    block_manager: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    timeline: Timeline
+    async_pipeline: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available on this machine")
+    return device
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    from transformers import AutoTokenizer
+
+    device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    path = resolve_model_path(config.model, config.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    model = load_model(path, dtype=dtype, device=device, attention_backend=backend)
+    spec = model.spec
+    max_len = config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_MAX_LEN_CAP)
+    if max_len > spec.max_position_embeddings:
+        raise ValueError(f"max_model_len ({max_len}) exceeds the model's maximum ({spec.max_position_embeddings})")
+    num_blocks = _num_kv_blocks(config, spec, dtype, device)
+    kv_cache = torch.zeros(spec.num_layers, 2, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
+                           dtype=dtype, device=device)  # (L, 2, NB, BS, Hkv, D)
+    block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_len)
+    timeline = Timeline(config.timeline, use_cuda=device.type == "cuda")
+    layout = SlotLayout(max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
+                        max_blocks=-(-max_len // config.block_size), max_logprobs=MAX_LOGPROBS)
+    runner = ModelRunner(model, kv_cache, config.block_size, layout, device, timeline,
+                         use_graphs=config.cuda_graphs, max_graph_batch=config.max_graph_batch_size)
+    async_pipeline = config.async_pipeline if config.async_pipeline is not None else device.type == "cuda"
+    log.info("engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, async %s",
+             path, device, dtype, num_blocks, config.block_size, max_len, backend, async_pipeline)
+    return EngineParts(device, dtype, model, tokenizer, max_len, block_manager, scheduler, runner, timeline,
+                       async_pipeline)
+
+
+def _num_kv_blocks(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device) -> int:
+    """Blocks from the config, or from free memory (CUDA) / the CPU byte budget."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks + 1  # one more: block 0 is the reserved null block
+    elem = torch.finfo(dtype).bits // 8
+    per_block = spec.num_layers * 2 * config.block_size * spec.num_kv_heads * spec.head_dim * elem
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.kv_cache_memory_fraction) - (2 << 30)  # room for activations and graphs
+    else:
+        budget = config.kv_cache_cpu_bytes
+    blocks = budget // per_block
+    if blocks < 2:
+        raise ValueError("not enough memory for the KV cache; lower max_model_len or set num_kv_blocks")
+    return int(blocks)

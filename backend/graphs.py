@@ -1,0 +1,84 @@
+"""CUDA graphs for decode steps: one per batch-size bucket and slot, all drawing on one memory pool.
+
+A graph holds carry-over + forward + logits. It reads its slot's device inputs and the other slot's
+sampled tokens at fixed addresses, and writes logits into one buffer outside the pool, so each graph's
+intermediates can be freed back to the shared pool after capture: N and N+1 never run at once, so the
+two slots' graphs cost about one graph's memory. Prefill and mixed steps run eagerly: their token counts
+and query lengths vary every step, and they are a small share of a long generation's steps.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+
+
+class DecodeGraphs:
+    """Captured decode graphs keyed by (slot, bucket)."""
+
+    def __init__(self, runner, max_graph_batch: int) -> None:
+        self.runner = runner
+        limit = min(max_graph_batch, runner.layout.max_seqs, runner.layout.max_tokens)
+        self.buckets = [b for b in _BUCKETS if b <= limit]
+        if not self.buckets or self.buckets[-1] < limit:
+            self.buckets.append(limit)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        vocab = runner.model.spec.vocab_size
+        self.logits = torch.empty(self.buckets[-1], vocab, dtype=torch.float32, device=runner.device)
+        self.memory: dict[str, int] = {}
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, batch_size)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def capture_all(self) -> None:
+        """Capture every bucket for both slots, largest first so smaller graphs reuse its pool memory."""
+        pipe = self.runner.pipeline
+        torch.cuda.synchronize(self.runner.device)
+        base = torch.cuda.memory_reserved(self.runner.device)
+        for slot in pipe.slots:
+            self._prepare(slot)
+        for slot in pipe.slots:
+            for bucket in reversed(self.buckets):
+                self._capture(slot, pipe.other(slot), bucket)
+            torch.cuda.synchronize(self.runner.device)
+            self.memory[f"after_slot{slot.index}"] = torch.cuda.memory_reserved(self.runner.device) - base
+
+    def _prepare(self, slot) -> None:
+        """Harmless inputs for warm-up and capture: every row a one-token sequence in the null block."""
+        d = slot.dev
+        d["input_ids"].zero_()
+        d["positions"].zero_()
+        d["slot_mapping"].zero_()
+        d["carry_src"].fill_(-1)
+        d["seq_lens"].fill_(1)
+        d["block_tables"].zero_()
+        d["query_start_loc"].copy_(torch.arange(d["query_start_loc"].numel(), dtype=torch.int32))
+        d["logits_idx"].copy_(torch.arange(d["logits_idx"].numel()))
+
+    def _body(self, slot, prev_slot, bucket: int) -> None:
+        r = self.runner
+        ids = r.carry_over(slot, prev_slot, bucket)
+        width = r.layout.max_blocks
+        meta = r.metadata(slot, bucket, bucket, width, 1, width * r.block_size)
+        hidden = r.model(ids, slot.dev["positions"][:bucket], r.kv_cache, meta)  # (bucket, H)
+        self.logits[:bucket].copy_(r.model.compute_logits(hidden))  # (bucket, V) outside the pool
+
+    def _capture(self, slot, prev_slot, bucket: int) -> None:
+        stream = self.runner.pipeline.compute_stream
+        with torch.cuda.stream(stream):
+            self._body(slot, prev_slot, bucket)  # warm-up: kernels compiled and autotuned before capture
+        # why: capture must start from a quiet stream so no earlier work is recorded into the graph
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            self._body(slot, prev_slot, bucket)
+        self.graphs[(slot.index, bucket)] = graph
+
+    def replay(self, slot, bucket: int) -> torch.Tensor:
+        """Replay on the current (compute) stream; returns the (bucket, V) logits buffer."""
+        self.graphs[(slot.index, bucket)].replay()
+        return self.logits[:bucket]

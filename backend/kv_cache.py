@@ -1,0 +1,137 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, a free list, reference counts and prefix caching."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .request import Request
+
+NULL_BLOCK = 0  # never handed out: padding rows of a step write their K/V here
+
+
+class BlockManager:
+    """Hands out KV blocks to requests; full blocks are hashed so a repeated prefix is computed once."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # free blocks in eviction order (least recently freed first); cached blocks stay findable here
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.prefix_queries = 0  # full prompt blocks looked up
+        self.prefix_hits = 0  # of them, found in the cache
+
+    # ---- figures -------------------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one request (cached-but-free blocks do not count)."""
+        return self.num_usable_blocks - len(self.free_blocks)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_usable_blocks
+
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        total = req.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(req.block_ids))
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self.free_blocks)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Make req's blocks cover its computed tokens plus num_new_tokens; False if blocks ran out."""
+        need = self.blocks_needed(req, num_new_tokens)
+        if need > len(self.free_blocks):
+            return False
+        for _ in range(need):
+            req.block_ids.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        old = self.block_hash[block]
+        if old is not None:  # evict its cached content
+            if self.hash_to_block.get(old) == block:
+                del self.hash_to_block[old]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def free(self, req: Request) -> None:
+        """Return req's blocks; safe to call once per allocation (the flag guards double frees)."""
+        if req.blocks_freed:
+            return
+        # tail blocks first, so a shared prefix stays cached longest
+        for block in reversed(req.block_ids):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+        req.block_ids = []
+        req.block_hashes = []
+        req.blocks_freed = True
+
+    # ---- prefix caching ------------------------------------------------------------------------
+    def match_prefix(self, req: Request) -> int:
+        """Share cached blocks of req's prompt; returns the number of tokens they cover."""
+        if not self.enable_prefix_caching or req.block_ids:
+            return 0
+        tokens = req.prompt_token_ids
+        # the last prompt token is always computed, so its logits exist
+        num_full = (len(tokens) - 1) // self.block_size
+        parent = 0
+        hashes: list[int] = []
+        blocks: list[int] = []
+        for i in range(num_full):
+            h = hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
+            self.prefix_queries += 1
+            block = self.hash_to_block.get(h)
+            if block is None:
+                self.prefix_queries += num_full - i - 1
+                break
+            self.prefix_hits += 1
+            hashes.append(h)
+            blocks.append(block)
+            parent = h
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+        req.block_ids = blocks
+        req.block_hashes = hashes
+        req.blocks_freed = False
+        req.num_cached_tokens = len(blocks) * self.block_size
+        return req.num_cached_tokens
+
+    def register_full_blocks(self, req: Request, num_known_computed: int) -> None:
+        """Hash blocks whose tokens are all known and computed, so later requests can share them."""
+        if not self.enable_prefix_caching or req.blocks_freed:
+            return
+        full = min(num_known_computed, len(req.prompt_token_ids) + len(req.output_token_ids)) // self.block_size
+        full = min(full, len(req.block_ids))
+        if full <= len(req.block_hashes):
+            return
+        tokens = req.all_token_ids()
+        parent = req.block_hashes[-1] if req.block_hashes else 0
+        for i in range(len(req.block_hashes), full):
+            h = hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
+            block = req.block_ids[i]
+            req.block_hashes.append(h)
+            if h not in self.hash_to_block:
+                self.hash_to_block[h] = block
+                self.block_hash[block] = h
+            parent = h

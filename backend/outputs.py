@@ -1,0 +1,165 @@
+"""Turns the engine loop's token events into RequestOutputs, off the loop: detokenization, stop strings, sinks."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .detokenizer import IncrementalDetokenizer
+from .request import FINISH_STOP, Request, RequestOutput
+
+log = logging.getLogger("tandem.outputs")
+
+
+@dataclass(slots=True)
+class StepEvent:
+    """One request's news from one step: a token, and/or the end of the request."""
+
+    request_id: str
+    token: int | None
+    logprob: tuple[float, list[tuple[int, float]] | None] | None
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _OutputState:
+    """What the output thread keeps per live request."""
+
+    request: Request
+    sink: Any
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    text: str = ""
+
+
+class OutputProcessor:
+    """A worker thread that detokenizes, applies stop strings and delivers outputs to each request's sink."""
+
+    def __init__(self, tokenizer, on_stop_string: Callable[[str], None], on_released: Callable[[str], None]):
+        self.tokenizer = tokenizer
+        self._on_stop_string = on_stop_string
+        self._on_released = on_released
+        self._states: dict[str, _OutputState] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tandem-outputs", daemon=True)
+        self._thread.start()
+
+    def register(self, req: Request, sink) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
+        state = _OutputState(req, sink, detok, logprobs=[] if req.params.logprobs is not None else None)
+        with self._lock:
+            self._states[req.request_id] = state
+
+    def push(self, events: list[StepEvent]) -> None:
+        self._queue.put(events)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            events = self._queue.get()
+            if events is None:
+                return
+            for ev in events:
+                try:
+                    self._handle(ev)
+                except Exception:  # one request's bad output must not stop the others
+                    log.exception("output processing failed for %s", ev.request_id)
+                    self._deliver_final(ev.request_id, "error", "output processing failed")
+
+    def _handle(self, ev: StepEvent) -> None:
+        with self._lock:
+            state = self._states.get(ev.request_id)
+        if state is None:
+            return  # already finished (e.g. by a stop string): later tokens are dropped
+        req, reason = state.request, ev.finish_reason
+        delta_ids: list[int] = []
+        delta_lp: list[dict] | None = None
+        delta_text = ""
+        if ev.token is not None:
+            delta_ids = [ev.token]
+            state.token_ids.append(ev.token)
+            # the token that stopped the request (EOS / a stop id) is in token_ids but not in the text
+            hidden = reason == FINISH_STOP
+            delta_text = state.detok.add_tokens(delta_ids, exclude_from_text=hidden)
+            if ev.logprob is not None and state.logprobs is not None:
+                delta_lp = [_logprob_entry(ev.token, ev.logprob)]
+                state.logprobs.extend(delta_lp)
+            if state.detok.stopped and reason is None:
+                reason = FINISH_STOP
+                self._on_stop_string(req.request_id)
+        if reason is not None and not state.detok.stopped:
+            delta_text += state.detok.finish()
+        state.text += delta_text
+        if not delta_ids and not delta_text and reason is None:
+            return
+        out = RequestOutput(
+            request_id=req.request_id, token_ids=list(state.token_ids), text=state.text,
+            delta_token_ids=delta_ids, delta_text=delta_text, finished=reason is not None,
+            finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
+            logprobs=state.logprobs, delta_logprobs=delta_lp, error=ev.error,
+            num_cached_tokens=req.num_cached_tokens)
+        if reason is not None:
+            self._release(req.request_id)
+        state.sink.put(out)
+
+    def _deliver_final(self, request_id: str, reason: str, message: str) -> None:
+        with self._lock:
+            state = self._states.get(request_id)
+        if state is None:
+            return
+        self._release(request_id)
+        state.sink.put(RequestOutput(request_id, list(state.token_ids), state.text, [], "", True, reason,
+                                     state.request.num_prompt_tokens, error=message))
+
+    def _release(self, request_id: str) -> None:
+        with self._lock:
+            self._states.pop(request_id, None)
+        self._on_released(request_id)
+
+
+def _logprob_entry(token: int, logprob) -> dict:
+    value, top = logprob
+    entry = {"token_id": token, "logprob": value}
+    if top is not None:
+        entry["top_logprobs"] = [{"token_id": t, "logprob": lp} for t, lp in top]
+    return entry
+
+
+class RequestStream:
+    """Iterator over one request's outputs; stops after the final one. Closing it aborts the request."""
+
+    def __init__(self, request_id: str, engine) -> None:
+        self.request_id = request_id
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._engine = engine
+        self._done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> RequestOutput:
+        if self._done:
+            raise StopIteration
+        out = self.queue.get()
+        if out.finished:
+            self._done = True
+        return out
+
+    def result(self) -> RequestOutput:
+        """Wait for the final output."""
+        last = None
+        for last in self:
+            pass
+        return last
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._engine.abort(self.request_id)

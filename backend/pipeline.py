@@ -1,0 +1,167 @@
+"""The asynchronous step pipeline: three CUDA streams, events between them, two alternating slots.
+
+Step N+1 is packed on the CPU and queued on the GPU while step N still runs; the CPU blocks once per step,
+on step N's device-to-host event. Without CUDA the same code runs with streams and events as no-ops.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .timeline import Timeline
+
+
+@dataclass
+class SlotLayout:
+    """Sizes of one slot's buffers."""
+
+    max_tokens: int  # tokens of one step
+    max_seqs: int  # requests of one step
+    max_blocks: int  # block-table width
+    max_logprobs: int  # top-n logprobs carried back
+
+
+class Slot:
+    """One set of pinned host buffers and device buffers for a step's inputs and outputs."""
+
+    def __init__(self, index: int, layout: SlotLayout, device: torch.device, use_cuda: bool) -> None:
+        self.index = index
+        T, S, W, K = layout.max_tokens, layout.max_seqs, layout.max_blocks, max(1, layout.max_logprobs)
+        pin = use_cuda
+        # int64 region: input_ids | positions | slot_mapping | carry_src | logits_idx | sampling (seeds, step)
+        self.i64_sizes = dict(input_ids=T, positions=T, slot_mapping=T, carry_src=T, logits_idx=S,
+                              sampling_i=2 * S)
+        # int32 region: query_start_loc | seq_lens | top_k | block_tables (last, so a prefix copy suffices)
+        self.i32_sizes = dict(query_start_loc=S + 1, seq_lens=S, top_k=S, block_tables=S * W)
+        self.i32_prefix = 3 * S + 1  # elements before the block tables
+        # float32 region: the sampler's six per-row settings, laid out (6, S)
+        self.f32_sizes = dict(sampling_f=6 * S)
+        self.host_i64 = torch.zeros(sum(self.i64_sizes.values()), dtype=torch.int64, pin_memory=pin)
+        self.host_i32 = torch.zeros(sum(self.i32_sizes.values()), dtype=torch.int32, pin_memory=pin)
+        self.host_f32 = torch.zeros(sum(self.f32_sizes.values()), dtype=torch.float32, pin_memory=pin)
+        self.dev_i64 = torch.zeros_like(self.host_i64, device=device)
+        self.dev_i32 = torch.zeros_like(self.host_i32, device=device)
+        self.dev_f32 = torch.zeros_like(self.host_f32, device=device)
+        self.host = _views(self.host_i64, self.i64_sizes) | _views(self.host_i32, self.i32_sizes) | _views(
+            self.host_f32, self.f32_sizes)
+        self.dev = _views(self.dev_i64, self.i64_sizes) | _views(self.dev_i32, self.i32_sizes) | _views(
+            self.dev_f32, self.f32_sizes)
+        self.host["block_tables"] = self.host["block_tables"].view(S, W)
+        self.dev["block_tables"] = self.dev["block_tables"].view(S, W)
+        self.np = {k: v.numpy() for k, v in self.host.items()}  # numpy views of the pinned buffers
+        # outputs: sampled tokens and their logprobs, written by the compute stream, read back by D2H
+        self.out_tokens = torch.zeros(S, dtype=torch.int64, device=device)
+        self.out_logprobs = torch.zeros(S, dtype=torch.float32, device=device)
+        self.out_top_ids = torch.zeros(S, K, dtype=torch.int64, device=device)
+        self.out_top_logprobs = torch.zeros(S, K, dtype=torch.float32, device=device)
+        self.host_tokens = torch.zeros(S, dtype=torch.int64, pin_memory=pin)
+        self.host_logprobs = torch.zeros(S, dtype=torch.float32, pin_memory=pin)
+        self.host_top_ids = torch.zeros(S, K, dtype=torch.int64, pin_memory=pin)
+        self.host_top_logprobs = torch.zeros(S, K, dtype=torch.float32, pin_memory=pin)
+        self.h2d_done = _Event(use_cuda)
+        self.compute_done = _Event(use_cuda)
+        self.d2h_done = _Event(use_cuda)
+        self.in_use = False  # a launched step's results are still unread
+
+
+def _views(flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for name, n in sizes.items():
+        out[name] = flat[offset:offset + n]
+        offset += n
+    return out
+
+
+class _Event:
+    """A CUDA event, or a no-op without CUDA (CPU work is already complete when it is 'recorded')."""
+
+    def __init__(self, use_cuda: bool) -> None:
+        self.event = torch.cuda.Event() if use_cuda else None
+
+    def record(self, stream) -> None:
+        if self.event is not None:
+            self.event.record(stream)
+
+    def wait(self, stream) -> None:
+        if self.event is not None:
+            stream.wait_event(self.event)
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class Pipeline:
+    """Streams, the two slots and the single blocking point of a step."""
+
+    def __init__(self, layout: SlotLayout, device: torch.device, timeline: Timeline) -> None:
+        self.device = device
+        self.use_cuda = device.type == "cuda"
+        self.timeline = timeline
+        if self.use_cuda:
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.compute_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+        else:
+            self.h2d_stream = self.compute_stream = self.d2h_stream = None
+        self.slots = [Slot(0, layout, device, self.use_cuda), Slot(1, layout, device, self.use_cuda)]
+        self._next = 0
+
+    def stream(self, s) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+
+    def acquire_slot(self) -> Slot:
+        """The slot the next step packs into; its previous step's results have been read already."""
+        slot = self.slots[self._next]
+        if slot.in_use:
+            raise RuntimeError("pipeline slot reused before its results were read")
+        self._next ^= 1
+        return slot
+
+    def other(self, slot: Slot) -> Slot:
+        return self.slots[slot.index ^ 1]
+
+    def launch(self, slot: Slot, n_i64: int, n_i32: int, n_f32: int, compute: Callable[[], int],
+               read_logprobs: bool) -> None:
+        """Queue H2D copy → compute (carry-over, forward, sample) → D2H copy; returns without waiting."""
+        tl = self.timeline
+        with self.stream(self.h2d_stream):
+            # why: the previous step that used this slot must have finished reading its device inputs
+            slot.compute_done.wait(self.h2d_stream)
+            tl.gpu_begin("h2d", self.h2d_stream)
+            slot.dev_i64[:n_i64].copy_(slot.host_i64[:n_i64], non_blocking=True)
+            slot.dev_i32[:n_i32].copy_(slot.host_i32[:n_i32], non_blocking=True)
+            slot.dev_f32[:n_f32].copy_(slot.host_f32[:n_f32], non_blocking=True)
+            tl.gpu_end("h2d", self.h2d_stream)
+            # why: compute may start only once this step's inputs are on the device
+            slot.h2d_done.record(self.h2d_stream)
+        with self.stream(self.compute_stream):
+            slot.h2d_done.wait(self.compute_stream)
+            # why: this slot's output buffers must have been copied back before they are overwritten
+            slot.d2h_done.wait(self.compute_stream)
+            tl.gpu_begin("compute", self.compute_stream)
+            rows = compute()
+            tl.gpu_end("compute", self.compute_stream)
+            # why: the D2H copy may start only when sampling has written the outputs
+            slot.compute_done.record(self.compute_stream)
+        with self.stream(self.d2h_stream):
+            slot.compute_done.wait(self.d2h_stream)
+            tl.gpu_begin("d2h", self.d2h_stream)
+            slot.host_tokens[:rows].copy_(slot.out_tokens[:rows], non_blocking=True)
+            if read_logprobs:
+                slot.host_logprobs[:rows].copy_(slot.out_logprobs[:rows], non_blocking=True)
+                slot.host_top_ids[:rows].copy_(slot.out_top_ids[:rows], non_blocking=True)
+                slot.host_top_logprobs[:rows].copy_(slot.out_top_logprobs[:rows], non_blocking=True)
+            tl.gpu_end("d2h", self.d2h_stream)
+            # why: the host waits on this event, the one blocking point of a step
+            slot.d2h_done.record(self.d2h_stream)
+        slot.in_use = True
+
+    def wait(self, slot: Slot) -> None:
+        """Block until slot's results are in host memory: the engine loop's only synchronisation."""
+        with self.timeline.cpu_span("wait"):
+            slot.d2h_done.synchronize()
+        slot.in_use = False

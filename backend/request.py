@@ -1,0 +1,189 @@
+"""SamplingParams (validated user settings), Request (engine-side state) and RequestOutput (what callers see)."""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; names follow vLLM so Triton's vLLM clients work unchanged."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 or 0 = all tokens
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's; n: and the top n
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """Build from a JSON object; unknown keys are rejected, not ignored."""
+        if not isinstance(values, dict):
+            raise ValueError("sampling parameters must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**values)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and the allowed range."""
+        _int("max_tokens", self.max_tokens, 1)
+        _int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        _float("temperature", self.temperature, 0.0, 100.0)
+        _int("top_k", self.top_k, -1)
+        _float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _float("min_p", self.min_p, 0.0, 1.0)
+        _float("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _int("seed", self.seed, 0)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    def check_limits(self, max_stop_strings: int, max_stop_string_length: int, vocab_size: int) -> None:
+        """Checks that depend on the engine's configuration and model."""
+        if len(self.stop) > max_stop_strings:
+            raise ValueError(f"stop: at most {max_stop_strings} stop strings are allowed, got {len(self.stop)}")
+        for s in self.stop:
+            if len(s) > max_stop_string_length:
+                raise ValueError(f"stop: each stop string must be at most {max_stop_string_length} characters")
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def _int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {rng}, got {value}")
+
+
+def _float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if (value <= low if low_open else value < low) or value > high:
+        rng = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise ValueError(f"{name} must be in {rng}, got {value}")
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Engine-side state of one request; touched only by the engine thread."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Any] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is written or queued to be written
+    num_pending: int = 0  # tokens sampled on the device but not yet read back (0 or 1)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash of each full block, in order
+    last_step_id: int = -1  # newest step that holds this request (may still be on the device)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    finish_reason: str | None = None
+    blocks_freed: bool = False
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the sequence, counting one still on the device."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens, counting one still on the device."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def all_token_ids(self) -> list[int]:
+        """Known tokens (prompt + read outputs); excludes a token still on the device."""
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One update of a request: the new tokens and text since the last update, and the totals."""
+
+    request_id: str
+    token_ids: list[int]  # all output tokens so far
+    text: str  # all output text so far
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    num_prompt_tokens: int = 0
+    prompt_token_ids: list[int] | None = None
+    logprobs: list[dict[str, Any]] | None = None  # one entry per output token when asked
+    delta_logprobs: list[dict[str, Any]] | None = None
+    error: str | None = None  # message when finish_reason == "error"
+    num_cached_tokens: int = 0

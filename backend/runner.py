@@ -1,0 +1,243 @@
+"""Packs a scheduled batch into a pipeline slot, runs carry-over + forward + sampling, reads results back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .graphs import DecodeGraphs
+from .kv_cache import NULL_BLOCK
+from .ops.attention import AttentionMetadata
+from .pipeline import Pipeline, Slot, SlotLayout
+from .request import Request
+from .sampler import Sampler, SamplingTensors, _assemble, _fill_host, _fill_padding, _pad_tokens
+from .scheduler import ScheduledBatch
+from .timeline import Timeline
+
+
+@dataclass(slots=True)
+class StepState:
+    """A launched step: what it holds and where its results land."""
+
+    batch: ScheduledBatch
+    slot: Slot
+    sampled: list[Request] = field(default_factory=list)  # requests in output-row order
+    row_of: dict[int, int] = field(default_factory=dict)  # id(request) → output row
+    read_logprobs: bool = False
+    num_top: int = 0
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Tokens (and logprobs) read back for each sampled request of a step."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class ModelRunner:
+    """Owns the KV cache, the slots' contents and the model call of every step."""
+
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, layout: SlotLayout,
+                 device: torch.device, timeline: Timeline, use_graphs: bool, max_graph_batch: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # (L, 2, NB, BS, Hkv, D)
+        self.block_size = block_size
+        self.layout = layout
+        self.device = device
+        self.timeline = timeline
+        self.pipeline = Pipeline(layout, device, timeline)
+        self.sampler = Sampler()
+        self.vocab_size = model.spec.vocab_size
+        self.sampler.vocab_hash(self.vocab_size, device)  # cached before any graph capture
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs and device.type == "cuda":
+            self.graphs = DecodeGraphs(self, max_graph_batch)
+            self.graphs.capture_all()
+
+    # ---- packing (CPU) ---------------------------------------------------------------------------
+    def pack(self, batch: ScheduledBatch, prev: StepState | None) -> StepState:
+        """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
+        slot = self.pipeline.acquire_slot()
+        st = StepState(batch, slot)
+        h = slot.np
+        bs = self.block_size
+        ids, pos, slots_, carry = h["input_ids"], h["positions"], h["slot_mapping"], h["carry_src"]
+        qsl, seq_lens, tables, logits_idx = h["query_start_loc"], h["seq_lens"], h["block_tables"], h["logits_idx"]
+        prev_rows = prev.row_of if prev is not None else {}
+        qsl[0] = 0
+        t = 0
+        for b, (req, n, samples) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.samples)):
+            end = req.num_computed_tokens
+            start = end - n
+            blocks = req.block_ids
+            if n == 1:
+                ids[t], carry[t] = self._token_at(req, start, prev_rows)
+                pos[t] = start
+                slots_[t] = blocks[start // bs] * bs + start % bs
+            else:  # a prefill chunk: every token is known on the host
+                p = np.arange(start, end)
+                known = req.prompt_token_ids if end <= req.num_prompt_tokens else req.all_token_ids()
+                ids[t:t + n] = known[start:end]
+                pos[t:t + n] = p
+                carry[t:t + n] = -1
+                slots_[t:t + n] = np.asarray(blocks)[p // bs] * bs + p % bs
+            seq_lens[b] = end
+            tables[b, :len(blocks)] = blocks
+            t += n
+            qsl[b + 1] = t
+            if samples:
+                logits_idx[len(st.sampled)] = t - 1
+                st.row_of[id(req)] = len(st.sampled)
+                st.sampled.append(req)
+        return st
+
+    def _token_at(self, req: Request, p: int, prev_rows: dict[int, int]) -> tuple[int, int]:
+        """(token, carry source row): a token the host knows, or a placeholder taken from the previous step."""
+        n_prompt = req.num_prompt_tokens
+        if p < n_prompt:
+            return req.prompt_token_ids[p], -1
+        if p - n_prompt < len(req.output_token_ids):
+            return req.output_token_ids[p - n_prompt], -1
+        return 0, prev_rows[id(req)]  # sampled by the step still on the device
+
+    def _pad_decode(self, slot: Slot, start: int, end: int) -> None:
+        """Rows [start, end) of a graph bucket: one harmless token each, written into the null block."""
+        h = slot.np
+        h["input_ids"][start:end] = 0
+        h["positions"][start:end] = 0
+        h["slot_mapping"][start:end] = NULL_BLOCK * self.block_size
+        h["carry_src"][start:end] = -1
+        h["seq_lens"][start:end] = 1
+        h["query_start_loc"][start + 1:end + 1] = np.arange(start + 1, end + 1)
+        h["logits_idx"][start:end] = np.arange(start, end)
+        h["block_tables"][start:end, 0] = NULL_BLOCK
+
+    def _sampling(self, st: StepState, rows: int) -> SamplingTensors:
+        """Fill the slot's sampling rows on the host; return the device views the sampler reads."""
+        slot, reqs = st.slot, st.sampled
+        n = len(reqs)
+        S = self.layout.max_seqs
+        host_f = slot.np["sampling_f"].reshape(6, S)
+        host_i = slot.np["sampling_i"].reshape(2, S)
+        host_k = slot.np["top_k"]
+        params = [r.params for r in reqs]
+        flags = _fill_host(params, [r.seed for r in reqs], [r.num_output_tokens - 1 for r in reqs],
+                           host_f[:, :n], host_i[:, :n], host_k[:n])
+        if rows > n:
+            _fill_padding(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])
+        prompt = output = None
+        if flags["any_penalty"]:
+            prompt = _pad_tokens([r.prompt_token_ids for r in reqs], rows, self.device)
+            # outputs before this step's input token; the input token itself is appended on the device
+            output = _pad_tokens([r.output_token_ids[:max(0, r.num_computed_tokens - 1 - r.num_prompt_tokens)]
+                                  for r in reqs], rows, self.device)
+        dev_f = slot.dev["sampling_f"].view(6, S)[:, :rows]
+        dev_i = slot.dev["sampling_i"].view(2, S)[:, :rows]
+        tensors = _assemble(dev_f, dev_i, slot.dev["top_k"][:rows], prompt, output, flags)
+        st.read_logprobs = flags["num_logprobs"] >= 0
+        st.num_top = max(0, flags["num_logprobs"])
+        return tensors
+
+    # ---- launch (queues GPU work) -----------------------------------------------------------------
+    def launch(self, st: StepState, prev: StepState | None) -> None:
+        batch, slot = st.batch, st.slot
+        B, T = len(batch), batch.num_tokens
+        bucket = None
+        if self.graphs is not None and batch.is_decode_only and len(st.sampled) == B:
+            bucket = self.graphs.bucket_for(B)
+        if bucket is not None:
+            self._pad_decode(slot, B, bucket)
+        rows = bucket or len(st.sampled)
+        sampling = self._sampling(st, rows) if rows else None
+        if bucket is not None and sampling.any_penalty:
+            bucket = None  # penalty tables vary in width: run this step eagerly
+            rows = len(st.sampled)
+            sampling = self._sampling(st, rows)
+        prev_slot = self.pipeline.other(slot)
+        has_carry = prev is not None and bool(prev.row_of)
+        width = max(1, max(len(r.block_ids) for r in batch.requests))
+
+        def compute() -> int:
+            if bucket is not None:
+                logits = self.graphs.replay(slot, bucket)  # carry-over + forward + logits, captured
+            else:
+                logits = self._eager_forward(slot, B, T, width, batch, prev_slot if has_carry else None,
+                                             len(st.sampled))
+            if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
+                return 0
+            if sampling.any_penalty:
+                self._append_input_tokens(slot, sampling, len(st.sampled))
+            out = self.sampler(logits[:rows], sampling)
+            slot.out_tokens[:rows].copy_(out.token_ids)
+            if out.logprobs is not None:
+                slot.out_logprobs[:rows].copy_(out.logprobs)
+            if out.top_ids is not None:
+                k = out.top_ids.shape[1]
+                slot.out_top_ids[:rows, :k].copy_(out.top_ids)
+                slot.out_top_logprobs[:rows, :k].copy_(out.top_logprobs)
+            return rows
+
+        n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
+        self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, slot.host_f32.numel(), compute,
+                             st.read_logprobs)
+
+    def carry_over(self, slot: Slot, prev_slot: Slot | None, num_tokens: int) -> torch.Tensor:
+        """Input ids with placeholders replaced by the previous step's sampled tokens (on the device)."""
+        ids = slot.dev["input_ids"][:num_tokens]
+        if prev_slot is None:
+            return ids
+        src = slot.dev["carry_src"][:num_tokens]  # (T,) row of the previous step, or -1
+        carried = prev_slot.out_tokens[src.clamp(min=0)]  # (T,)
+        ids.copy_(torch.where(src >= 0, carried, ids))  # in place: penalties read the final ids
+        return ids
+
+    def metadata(self, slot: Slot, num_seqs: int, num_tokens: int, width: int, max_query_len: int,
+                 max_seq_len: int) -> AttentionMetadata:
+        d = slot.dev
+        return AttentionMetadata(
+            slot_mapping=d["slot_mapping"][:num_tokens],
+            query_start_loc=d["query_start_loc"][:num_seqs + 1],
+            seq_lens=d["seq_lens"][:num_seqs],
+            block_tables=d["block_tables"][:num_seqs, :width],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+
+    def _eager_forward(self, slot: Slot, B: int, T: int, width: int, batch: ScheduledBatch,
+                       prev_slot: Slot | None, num_sampled: int) -> torch.Tensor:
+        ids = self.carry_over(slot, prev_slot, T)
+        max_q = max(batch.num_new_tokens)
+        max_len = max(r.num_computed_tokens for r in batch.requests)
+        meta = self.metadata(slot, B, T, width, max_q, max_len)
+        hidden = self.model(ids, slot.dev["positions"][:T], self.kv_cache, meta)  # (T, H)
+        return self.model.compute_logits(hidden[slot.dev["logits_idx"][:num_sampled]])  # (N, V)
+
+    def _append_input_tokens(self, slot: Slot, sampling: SamplingTensors, n: int) -> None:
+        """Penalties count this step's input token (maybe carried over) as an output token when it is one."""
+        out = sampling.output_token_ids  # (B, Lo) padded with -1
+        idx = slot.dev["logits_idx"][:n]
+        last = slot.dev["input_ids"][idx]  # (n,)
+        is_output = slot.dev["positions"][idx] >= sampling.prompt_token_ids.ne(-1).sum(1)[:n]
+        col = torch.where(is_output, last, torch.full_like(last, -1))
+        pad = torch.full((out.shape[0], 1), -1, dtype=out.dtype, device=out.device)
+        pad[:n, 0] = col
+        sampling.output_token_ids = torch.cat([out, pad], dim=1)
+
+    # ---- results (after the step's one wait) ------------------------------------------------------
+    def read(self, st: StepState) -> StepResult:
+        """Block on st's device-to-host event, then copy its tokens out of the pinned buffers."""
+        self.pipeline.wait(st.slot)
+        n = len(st.sampled)
+        slot = st.slot
+        result = StepResult(st.sampled, slot.host_tokens[:n].tolist())
+        if st.read_logprobs:
+            result.logprobs = slot.host_logprobs[:n].tolist()
+            if st.num_top:
+                result.top_ids = slot.host_top_ids[:n, :st.num_top].tolist()
+                result.top_logprobs = slot.host_top_logprobs[:n, :st.num_top].tolist()
+        return result

@@ -1,0 +1,135 @@
+"""Continuous batching: which requests run in the next step, with how many tokens, in which KV blocks."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockManager
+from .request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: requests in order, tokens each feeds, and whether its last token is sampled."""
+
+    step_id: int
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)  # this step samples the request's next token
+    num_tokens: int = 0
+    is_decode_only: bool = True  # every request feeds exactly one token
+    free_after: list[Request] = field(default_factory=list)  # finished while this step was queued
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    """FIFO continuous batching with a token budget, chunked prefill and preemption by recompute."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._next_step_id = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Drop a finished or aborted request from the queues (its blocks are freed by the engine)."""
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+
+    def _wants_tokens(self, req: Request) -> int:
+        """Tokens req can feed now: 0 when it has reached a length limit and only waits to finish."""
+        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return 0
+        return req.num_tokens - req.num_computed_tokens
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step: running requests first (oldest first), then waiting ones in arrival order."""
+        batch = ScheduledBatch(step_id=self._next_step_id)
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(self._wants_tokens(req), budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.block_manager.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                self._add_to_batch(batch, req, n)
+                budget -= n
+                i += 1
+        if not preempted:
+            self._admit_waiting(batch, budget)
+        if not batch.requests:
+            return None
+        self._next_step_id += 1
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_pending:  # preempted while a step held it: its last token is not read yet
+                break
+            if not req.block_ids:
+                req.num_computed_tokens = bm.match_prefix(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not bm.allocate_slots(req, n):
+                # a waiting request holds no blocks, so running ones can always make progress
+                bm.free(req)
+                req.blocks_freed = False
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_to_batch(batch, req, n)
+            budget -= n
+
+    def _add_to_batch(self, batch: ScheduledBatch, req: Request, n: int) -> None:
+        req.num_computed_tokens += n
+        samples = req.num_computed_tokens == req.num_tokens
+        if samples:
+            req.num_pending += 1  # the step samples a token the host will only see later
+        req.last_step_id = batch.step_id
+        batch.requests.append(req)
+        batch.num_new_tokens.append(n)
+        batch.samples.append(samples)
+        batch.num_tokens += n
+        if n != 1:
+            batch.is_decode_only = False
+
+    def _preempt(self, req: Request) -> None:
+        """Free req's blocks and requeue it first in line; it recomputes its tokens when readmitted."""
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.blocks_freed = False
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

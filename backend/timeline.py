@@ -1,0 +1,182 @@
+"""CPU and GPU spans of the engine loop: busy fraction, CPU time per step, Chrome trace and a PNG picture."""
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Span:
+    """One named interval on the CPU row or the GPU row, in seconds since the timeline's origin."""
+
+    row: str  # "cpu" | "gpu"
+    name: str
+    start: float
+    end: float
+    step: int
+
+
+class Timeline:
+    """Records spans at low cost when enabled; switchable at run time; does nothing when disabled."""
+
+    def __init__(self, enabled: bool = False, use_cuda: bool = False) -> None:
+        self.use_cuda = use_cuda
+        self.enabled = False
+        self.spans: list[Span] = []
+        self._pending_gpu: list[tuple[str, object, object, int]] = []  # (name, start event, end event, step)
+        self._open_gpu: dict[str, object] = {}
+        self._step = 0
+        self._origin = time.perf_counter()
+        self._anchor = None
+        if enabled:
+            self.enable()
+
+    # ---- switching -----------------------------------------------------------------------------
+    def enable(self) -> None:
+        self.spans.clear()
+        self._pending_gpu.clear()
+        self._step = 0
+        if self.use_cuda:
+            # why: GPU spans are placed on the host clock relative to this event, so it must have executed
+            self._anchor = torch.cuda.Event(enable_timing=True)
+            self._anchor.record()
+            self._anchor.synchronize()
+        self._origin = time.perf_counter()
+        self.enabled = True
+
+    def disable(self) -> None:
+        self.enabled = False
+
+    # ---- recording -----------------------------------------------------------------------------
+    def now(self) -> float:
+        return time.perf_counter() - self._origin
+
+    @contextlib.contextmanager
+    def cpu_span(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.spans.append(Span("cpu", name, start, self.now(), self._step))
+
+    def next_step(self) -> None:
+        self._step += 1
+
+    def gpu_begin(self, name: str, stream) -> None:
+        if not self.enabled:
+            return
+        if self.use_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream)  # why: marks when the stream reaches this point, not when the CPU did
+            self._open_gpu[name] = ev
+        else:
+            self._open_gpu[name] = self.now()
+
+    def gpu_end(self, name: str, stream) -> None:
+        if not self.enabled or name not in self._open_gpu:
+            return
+        start = self._open_gpu.pop(name)
+        if self.use_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream)  # why: the end of this stream's work for the span
+            self._pending_gpu.append((name, start, ev, self._step))
+        else:
+            self.spans.append(Span("gpu", name, start, self.now(), self._step))
+
+    def resolve(self) -> None:
+        """Turn finished GPU events into spans; call after a synchronisation point."""
+        still = []
+        for name, s, e, step in self._pending_gpu:
+            if not e.query():
+                still.append((name, s, e, step))
+                continue
+            start = self._anchor.elapsed_time(s) / 1e3
+            end = self._anchor.elapsed_time(e) / 1e3
+            self.spans.append(Span("gpu", name, start, end, step))
+        self._pending_gpu = still
+
+    # ---- figures -------------------------------------------------------------------------------
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    def summary(self, since_step: int = 0) -> dict:
+        """GPU busy fraction over the recorded window and median CPU time per step (wait excluded)."""
+        self.resolve()
+        spans = [s for s in self.spans if s.step >= since_step] if since_step > 0 else self.spans
+        gpu = sorted((s.start, s.end) for s in spans if s.row == "gpu")
+        cpu = [s for s in spans if s.row == "cpu"]
+        if not gpu and not cpu:
+            return {"gpu_busy_fraction": 0.0, "cpu_us_per_step": 0.0, "steps": 0, "wall_s": 0.0}
+        start = min([g[0] for g in gpu] + [c.start for c in cpu])
+        end = max([g[1] for g in gpu] + [c.end for c in cpu])
+        busy, cur_s, cur_e = 0.0, None, None
+        for s, e in gpu:  # union of intervals
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            busy += cur_e - cur_s
+        per_step: dict[int, float] = {}
+        for s in cpu:
+            if s.name != "wait":
+                per_step[s.step] = per_step.get(s.step, 0.0) + (s.end - s.start)
+        wall = max(end - start, 1e-9)
+        return {
+            "gpu_busy_fraction": busy / wall,
+            "cpu_us_per_step": statistics.median(per_step.values()) * 1e6 if per_step else 0.0,
+            "steps": len(per_step),
+            "wall_s": wall,
+        }
+
+    def chrome_trace(self, path: str) -> None:
+        """Write Chrome-trace / Perfetto JSON: one row for the CPU, one for the GPU."""
+        self.resolve()
+        events = [
+            {"name": s.name, "ph": "X", "pid": 0, "tid": 0 if s.row == "cpu" else 1,
+             "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6, "args": {"step": s.step}}
+            for s in self.spans
+        ]
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
+                   for t, n in ((0, "CPU (engine loop)"), (1, "GPU (streams)"))]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events}, f)
+
+    def png(self, path: str, title: str = "", max_steps: int = 12) -> None:
+        """Draw a CPU row and a GPU row for the first steps, like the seed article's figure."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        self.resolve()
+        first = min((s.step for s in self.spans), default=0) + 2  # skip warm-up steps
+        spans = [s for s in self.spans if first <= s.step < first + max_steps]
+        if not spans:
+            return
+        t0 = min(s.start for s in spans)
+        colors = {"schedule": "#4c72b0", "pack": "#55a868", "launch": "#8172b2", "wait": "#dddddd",
+                  "update": "#c44e52", "h2d": "#64b5cd", "compute": "#dd8452", "d2h": "#937860"}
+        fig, ax = plt.subplots(figsize=(12, 2.6))
+        for s in spans:
+            y = 1 if s.row == "cpu" else 0
+            ax.broken_barh([((s.start - t0) * 1e3, (s.end - s.start) * 1e3)], (y - 0.35, 0.7),
+                           facecolors=colors.get(s.name, "#999999"))
+        ax.set_yticks([0, 1], ["GPU", "CPU"])
+        ax.set_xlabel("ms")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+        ax.legend(handles, colors.keys(), ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 1.35))
+        ax.set_title(title, fontsize=9, pad=28)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
