@@ -1,0 +1,49 @@
+"""Plain-torch norm, rotary and activation ops: the numerics reference for the fused CUDA kernels."""
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, exactly as transformers' LlamaRMSNorm (float32 math, cast, then * weight)."""
+    input_dtype = x.dtype
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    xf = xf * torch.rsqrt(variance + eps)
+    return weight * xf.to(input_dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm; returns (normed, x + residual), the sum in the model dtype as in HF."""
+    summed = x + residual  # (T, H)
+    return rms_norm(summed, weight, eps), summed
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (T, Hq, D) and k (T, Hkv, D) at `positions` (T,), HF rotate_half (neox) style.
+
+    `cos_sin_cache` is (max_pos, D) float32: columns [:D/2] hold cos(pos * inv_freq) and [D/2:] hold sin,
+    both already multiplied by the rope type's attention scaling.
+    """
+    half = cos_sin_cache.shape[-1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions)  # (T, D)
+    cos = cos_sin[:, :half].repeat(1, 2).unsqueeze(1)  # (T, 1, D): HF duplicates the freqs
+    sin = cos_sin[:, half:].repeat(1, 2).unsqueeze(1)  # (T, 1, D)
+    # HF casts cos/sin to the activations' dtype before rotating; do the same so bf16 matches it
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] (T, 2I) -> (T, I)."""
+    inter = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :inter]) * x[..., inter:]

@@ -1,0 +1,292 @@
+"""The engine against transformers' own generate, on tiny random models, in synchronous and asynchronous mode."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+from backend import Engine, EngineConfig, SamplingParams
+from tests.tiny_models import build_tiny, hf_greedy, hf_model, random_prompts
+
+MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tiny"))
+
+
+def make_engine(path, async_pipeline, **kw) -> Engine:
+    settings = dict(model=path, device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=24,
+                    max_num_seqs=16, async_pipeline=async_pipeline)
+    settings.update(kw)
+    return Engine(EngineConfig(**settings))
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_greedy_batch_equals_transformers(root, family, async_pipeline):
+    """Mixed lengths (some longer than the step's token budget: chunked prefill), finishing at different steps."""
+    path = build_tiny(family, root)
+    prompts = random_prompts([3, 30, 9, 57, 1, 16, 22, 5])
+    lengths = [12, 20, 7, 16, 3, 20, 9, 14]
+    want = [hf_greedy(path, p, n) for p, n in zip(prompts, lengths)]
+    engine = make_engine(path, async_pipeline)
+    try:
+        outs = engine.generate(prompts, [greedy(n) for n in lengths])
+        assert [o.token_ids for o in outs] == want
+        assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
+        assert engine.stats()["kv_blocks_used"] == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+@pytest.mark.parametrize("batch", [1, 16])
+def test_batch_sizes(root, async_pipeline, batch):
+    path = build_tiny("llama", root)
+    prompts = random_prompts([(7 * i) % 40 + 1 for i in range(batch)], seed=batch)
+    want = [hf_greedy(path, p, 10) for p in prompts]
+    engine = make_engine(path, async_pipeline)
+    try:
+        assert [o.token_ids for o in engine.generate(prompts, greedy(10))] == want
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_requests_join_every_step(root, async_pipeline):
+    """Each new request arrives once the previous one has produced a token, so the batch changes every step."""
+    path = build_tiny("llama", root)
+    prompts = random_prompts([11, 4, 26, 8, 15, 2], seed=7)
+    want = [hf_greedy(path, p, 16) for p in prompts]
+    engine = make_engine(path, async_pipeline)
+    try:
+        streams = []
+        for p in prompts:
+            s = engine.add_request(p, greedy(16))
+            next(s)  # wait for the first token before the next request joins
+            streams.append(s)
+        got = [s.result().token_ids for s in streams]
+        assert got == want
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_preemption_keeps_outputs_equal(root, async_pipeline):
+    """A KV cache too small for all requests at once: requests are preempted and recomputed, outputs unchanged."""
+    path = build_tiny("qwen2", root)
+    prompts = random_prompts([20, 18, 25, 22, 19, 24], seed=3)
+    want = [hf_greedy(path, p, 24) for p in prompts]
+    engine = make_engine(path, async_pipeline, num_kv_blocks=24, max_num_batched_tokens=64)
+    try:
+        outs = engine.generate(prompts, greedy(24))
+        assert [o.token_ids for o in outs] == want
+        assert engine.stats()["preemptions"] > 0
+        assert engine.stats()["kv_blocks_used"] == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_prefix_cache_hits_are_counted_and_exact(root, async_pipeline):
+    path = build_tiny("llama", root)
+    system = random_prompts([33], seed=11)[0]
+    tails = random_prompts([5, 9, 2], seed=12)
+    prompts = [system + t for t in tails]
+    want = [hf_greedy(path, p, 12) for p in prompts]
+    engine = make_engine(path, async_pipeline)
+    try:
+        first = engine.generate(prompts[:1], greedy(12))
+        rest = engine.generate(prompts[1:], greedy(12))
+        assert [o.token_ids for o in first + rest] == want
+        stats = engine.stats()
+        assert stats["prefix_cache_hits"] >= 2 * (33 // 4)  # both later prompts reuse the shared blocks
+        assert rest[0].num_cached_tokens == 32
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_abort_mid_generation_returns_blocks(root, async_pipeline):
+    path = build_tiny("llama", root)
+    engine = make_engine(path, async_pipeline)
+    try:
+        keep = engine.add_request(random_prompts([6], seed=5)[0], greedy(30))
+        stream = engine.add_request(random_prompts([10], seed=4)[0], greedy(300), request_id="victim")
+        seen = 0
+        for out in stream:
+            seen += len(out.delta_token_ids)
+            if seen >= 3:
+                engine.abort("victim")
+                break
+        final = stream.result() if not out.finished else out
+        assert final.finished and final.finish_reason == "abort"
+        assert 3 <= len(final.token_ids) < 300
+        assert keep.result().finish_reason == "length"
+        deadline = time.time() + 5
+        while engine.stats()["kv_blocks_used"] and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.stats()["kv_blocks_used"] == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_eos_stop_ids_and_max_tokens(root, async_pipeline):
+    path = build_tiny("llama", root)
+    prompt = random_prompts([12], seed=9)[0]
+    free_run = hf_greedy(path, prompt, 20)
+    stop_tok = free_run[5]
+    first = free_run.index(stop_tok)
+    engine = make_engine(path, async_pipeline)
+    try:
+        by_id, by_len = engine.generate(
+            [prompt, prompt],
+            [SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_tok]), greedy(7)])
+        assert by_id.token_ids == free_run[:first + 1] and by_id.finish_reason == "stop"
+        assert by_len.token_ids == free_run[:7] and by_len.finish_reason == "length"
+    finally:
+        engine.shutdown()
+    # a model whose EOS is a token greedy decoding reaches: generation ends there, as in transformers
+    want = hf_greedy(path, prompt, 20, eos=stop_tok)
+    assert want[-1] == stop_tok and len(want) < 20
+    eos_path = os.path.join(root, f"eos-{async_pipeline}")
+    shutil.copytree(path, eos_path, dirs_exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        file = os.path.join(eos_path, name)
+        if os.path.exists(file):
+            data = json.load(open(file))
+            data["eos_token_id"] = stop_tok
+            json.dump(data, open(file, "w"))
+    engine = make_engine(eos_path, async_pipeline)
+    try:
+        out = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0))[0]
+        assert out.token_ids == want and out.finish_reason == "stop"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_seeded_sampling_is_reproducible_across_batches(root, async_pipeline):
+    path = build_tiny("qwen3", root)
+    prompt = random_prompts([9], seed=21)[0]
+    others = random_prompts([4, 17, 30], seed=22)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    engine = make_engine(path, async_pipeline)
+    try:
+        alone = engine.generate([prompt], params)[0].token_ids
+        mixed = engine.generate(others[:2] + [prompt] + others[2:],
+                                [SamplingParams(max_tokens=16, temperature=0.7, seed=5, ignore_eos=True)] * 2
+                                + [params] + [greedy(16)])[2].token_ids
+        other_seed = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9,
+                                                              seed=99, ignore_eos=True))[0].token_ids
+    finally:
+        engine.shutdown()
+    engine = make_engine(path, not async_pipeline)
+    try:
+        again = engine.generate([prompt], params)[0].token_ids
+    finally:
+        engine.shutdown()
+    assert alone == mixed == again
+    assert alone != other_seed
+
+
+def test_repetition_penalty_matches_transformers(root):
+    path = build_tiny("llama", root)
+    prompts = random_prompts([6, 19], seed=31)
+    want = [hf_greedy(path, p, 16, repetition_penalty=1.5) for p in prompts]
+    for async_pipeline in (False, True):
+        engine = make_engine(path, async_pipeline)
+        try:
+            outs = engine.generate(prompts, greedy(16, repetition_penalty=1.5))
+            assert [o.token_ids for o in outs] == want
+        finally:
+            engine.shutdown()
+
+
+def test_logprobs_match_transformers_scores(root):
+    import torch
+
+    path = build_tiny("llama", root)
+    prompt = random_prompts([8], seed=41)[0]
+    model = hf_model(path)
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    ref = [torch.log_softmax(l[0].float(), -1) for l in gen.logits]
+    engine = make_engine(path, True)
+    try:
+        out = engine.generate([prompt], greedy(6, logprobs=3))[0]
+    finally:
+        engine.shutdown()
+    assert len(out.logprobs) == 6
+    for entry, lp in zip(out.logprobs, ref):
+        assert entry["logprob"] == pytest.approx(lp[entry["token_id"]].item(), abs=1e-4)
+        top = torch.topk(lp, 3)
+        assert [t["token_id"] for t in entry["top_logprobs"]] == top.indices.tolist()
+
+
+def test_bad_requests_raise_clear_errors(root):
+    path = build_tiny("llama", root)
+    engine = make_engine(path, True, max_model_len=64)
+    try:
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request([], greedy(4))
+        with pytest.raises(ValueError, match="vocabulary"):
+            engine.add_request([1, 999], greedy(4))
+        with pytest.raises(ValueError, match="maximum model length"):
+            engine.add_request(list(range(2, 62)), greedy(10))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request([5], SamplingParams(stop_token_ids=[4096]))
+        engine.add_request([5, 6], greedy(3), request_id="same")
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request([5, 6], greedy(3), request_id="same")
+        assert engine.generate([[7, 8]], greedy(3))[0].finish_reason == "length"  # still serving
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("max_tokens", 0, "max_tokens"), ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"),
+    ("top_p", 1.5, "top_p"), ("top_k", -2, "top_k"), ("min_p", 1.5, "min_p"),
+    ("repetition_penalty", 0.0, "repetition_penalty"), ("presence_penalty", 3.0, "presence_penalty"),
+    ("frequency_penalty", -2.5, "frequency_penalty"), ("logprobs", 21, "logprobs"), ("seed", -1, "seed"),
+    ("stop", [""], "stop"), ("min_tokens", 99, "min_tokens"),
+])
+def test_bad_sampling_values(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_sampling_key_rejected():
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        SamplingParams.from_dict({"max_tokens": 3, "temprature": 0.5})
+
+
+@pytest.mark.parametrize("settings,match", [
+    (dict(block_size=3), "power of two"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"),
+    (dict(max_num_batched_tokens=8, max_num_seqs=16), "max_num_batched_tokens"),
+    (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction"), (dict(attention_backend="x"), "attention"),
+])
+def test_bad_config(settings, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**settings).validate()
+
+
+def test_config_from_strings_and_unknown_keys():
+    cfg = EngineConfig.from_dict({"max_num_seqs": "8", "async_pipeline": "false", "num_kv_blocks": "none"})
+    assert cfg.max_num_seqs == 8 and cfg.async_pipeline is False and cfg.num_kv_blocks is None
+    with pytest.raises(ValueError, match="unknown engine setting"):
+        EngineConfig.from_dict({"max_seqs": "8"})
+    with pytest.raises(ValueError, match="integer"):
+        EngineConfig.from_dict({"max_num_seqs": "eight"})
