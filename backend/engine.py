@@ -34,9 +34,9 @@ _MAX_CONSECUTIVE_FAULTS = 3
 class Engine:
     """Continuous-batching LLM engine; thread-safe front, one background loop thread."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, model=None, tokenizer=None) -> None:
         self.config = (config or EngineConfig()).validate()
-        parts: EngineParts = build_engine_parts(self.config)
+        parts: EngineParts = build_engine_parts(self.config, model, tokenizer)
         self.parts = parts
         self.tokenizer = parts.tokenizer
         self.device = parts.device

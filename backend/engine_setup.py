@@ -46,19 +46,22 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
-    from transformers import AutoTokenizer
-
+def build_engine_parts(config: EngineConfig, model=None, tokenizer=None) -> EngineParts:
+    """Load what config names; a ready model and tokenizer may be given instead (tests, benchmarks)."""
     device = resolve_device(config.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    path = resolve_model_path(config.model, config.cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    model = load_model(path, dtype=dtype, device=device, attention_backend=backend)
+    path = "<given model>"
+    if model is None:
+        from transformers import AutoTokenizer
+
+        path = resolve_model_path(config.model, config.cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = load_model(path, dtype=dtype, device=device, attention_backend=backend)
     spec = model.spec
     max_len = config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_MAX_LEN_CAP)
     if max_len > spec.max_position_embeddings:

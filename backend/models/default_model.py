@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from backend.models.random_model import RANDOM_PREFIX, random_checkpoint
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_ALIAS = "smollm2-135m-instruct"
@@ -21,12 +23,15 @@ def resolve_model_path(model: str, cache_dir: str | None = None) -> str:
     """The alias -> its converted safetensors folder (converting once); a folder with config.json -> itself."""
     if model == DEFAULT_ALIAS:
         return str(_ensure_converted(_cache_root(cache_dir)))
+    if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
+        return random_checkpoint(model[len(RANDOM_PREFIX):], _cache_root(cache_dir))
     if isinstance(model, str) and model and os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"checkpoint folder {model!r} has no config.json")
         return model
     raise ValueError(
-        f"model must be a local checkpoint folder or the alias {DEFAULT_ALIAS!r}, got {model!r}"
+        f"model must be a local checkpoint folder, the alias {DEFAULT_ALIAS!r} or random:<shape> "
+        f"(random weights of a known shape, for benchmarks), got {model!r}"
     )
 
 

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from backend.models.llama import ROTARY_CLASSES, LayerWeights, LlamaFamilyModel, build_cos_sin_cache
+from backend.models.random_model import is_random_checkpoint, random_weights
 from backend.models.spec import ModelSpec
 from backend.ops import get_ops
 
@@ -30,8 +31,11 @@ def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: 
     if attention_backend == "auto":
         attention_backend = "triton" if device.type == "cuda" else "torch"
     ops = get_ops(attention_backend)
-    with _Checkpoint(folder) as ckpt:
-        weights = _load_weights(ckpt, config, spec, dtype, device)
+    if is_random_checkpoint(folder):
+        weights = random_weights(folder, config, spec, dtype, device)
+    else:
+        with _Checkpoint(folder) as ckpt:
+            weights = _load_weights(ckpt, config, spec, dtype, device)
     cos_sin = build_cos_sin_cache(config, spec.model_type, spec.head_dim, device)
     model = LlamaFamilyModel(spec, ops, cos_sin_cache=cos_sin, eps=float(config.rms_norm_eps), **weights)
     logger.info("loaded %s (%d layers, %s) from %s with %s ops",

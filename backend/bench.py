@@ -1,0 +1,172 @@
+"""python -m backend.bench: the offline benchmark, our engine beside transformers on the same prompts.
+
+Prints its settings, a table, and one JSON line of results. Workloads are those of shared/MEASURE.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import Engine, EngineConfig, SamplingParams
+
+COPY_BANDWIDTH = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (DESIGN.md §5)
+
+
+@dataclass
+class Workload:
+    """One benchmark's model, prompts and lengths."""
+
+    model: str
+    requests: list[int]  # concurrent request counts to run (one run each)
+    prompt_len: tuple[int, int]  # min, max prompt tokens
+    new_tokens: int
+    device: str = "cuda"
+    engine: dict = field(default_factory=dict)
+
+
+WORKLOADS = {
+    "cpu-tiny": Workload("random:tiny", [8], (16, 64), 64, device="cpu",
+                         engine=dict(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=256)),
+    "cpu-overhead": Workload("stand-in", [64, 256], (128, 128), 512, device="cpu",
+                             engine=dict(num_kv_blocks=256 * 41, max_num_seqs=256, max_num_batched_tokens=4096)),
+    "blog-quick": Workload("random:llama-3-8b", [32], (128, 128), 2048,
+                           engine=dict(max_num_seqs=32, max_num_batched_tokens=4096)),
+    "blog": Workload("random:llama-3-8b", [32], (128, 128), 8192,
+                     engine=dict(max_num_seqs=32, max_num_batched_tokens=4096)),
+    "small-64": Workload("random:llama-3.2-1b", [64], (128, 128), 1024,
+                         engine=dict(max_num_seqs=64, max_num_batched_tokens=8192)),
+    "small-many": Workload("random:llama-3.2-1b", [128, 256], (128, 128), 512,
+                           engine=dict(max_num_seqs=256, max_num_batched_tokens=8192)),
+}
+
+
+def make_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, min(vocab, 250)) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def build_engine(wl: Workload, async_pipeline: bool, args) -> Engine:
+    settings = dict(model=wl.model, device=args.device or wl.device, async_pipeline=async_pipeline,
+                    max_model_len=wl.prompt_len[1] + wl.new_tokens + 16, timeline=True)
+    settings.update(wl.engine)
+    if args.attention:
+        settings["attention_backend"] = args.attention
+    if wl.model == "stand-in":
+        from .standin import StandInModel
+        from .models.random_model import byte_tokenizer
+
+        settings["model"] = "stand-in"
+        return Engine(EngineConfig(**settings), model=StandInModel(), tokenizer=byte_tokenizer())
+    return Engine(EngineConfig(**settings))
+
+
+def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
+    engine = build_engine(wl, async_pipeline, args)
+    try:
+        vocab = engine.spec.vocab_size
+        params = SamplingParams(max_tokens=wl.new_tokens, temperature=0.0, ignore_eos=True)
+        engine.generate(make_prompts(min(n, 4), (16, 16), vocab, seed=99), SamplingParams(max_tokens=4,
+                                                                                          ignore_eos=True))
+        prompts = make_prompts(n, wl.prompt_len, vocab)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        engine.set_timeline(True)
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        wall = time.perf_counter() - start
+        engine.set_timeline(False)
+        time.sleep(0.05)  # the loop applies the switch at its next step
+        tokens = sum(len(o.token_ids) for o in outs)
+        summary = engine.timeline.summary()
+        result = dict(mode="async" if async_pipeline else "sync", requests=n, wall_s=round(wall, 3),
+                      tok_per_s=round(tokens / wall, 1), output_tokens=tokens,
+                      gpu_busy=round(summary["gpu_busy_fraction"], 4),
+                      cpu_us_per_step=round(summary["cpu_us_per_step"], 1), steps=summary["steps"])
+        if wl.model == "stand-in":
+            from .standin import expected_tokens
+
+            result["all_tokens_exact"] = all(o.token_ids == expected_tokens(p, wl.new_tokens, vocab)
+                                             for o, p in zip(outs, prompts))
+        if engine.device.type == "cuda":
+            result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+            result["roofline"] = round(roofline_seconds(engine, prompts, wl.new_tokens) / wall, 3)
+        if args.timeline:
+            stem = f"{args.timeline}-{result['mode']}-{n}"
+            engine.timeline.png(stem + ".png", title=f"{args.workload} {result['mode']} ({n} requests)")
+            engine.timeline.chrome_trace(stem + ".json")
+        return result
+    finally:
+        engine.shutdown()
+
+
+def roofline_seconds(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Bytes every decode step must read (all weights + each request's KV so far) over copy bandwidth."""
+    weights = sum(p.numel() * p.element_size() for p in engine.parts.model.parameters())
+    spec = engine.spec
+    kv_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * torch.finfo(engine.parts.dtype).bits // 8
+    total = 0.0
+    for t in range(new_tokens):
+        context = sum(len(p) + t for p in prompts)
+        total += weights + context * kv_per_token
+    return total / COPY_BANDWIDTH
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--workload", default="cpu-tiny", choices=sorted(WORKLOADS) + ["microbench"])
+    ap.add_argument("--compare", default="", help="'transformers' to run transformers on the same prompts")
+    ap.add_argument("--modes", default="sync,async", help="our engine's modes to run")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--attention", default=None, choices=["torch", "triton"])
+    ap.add_argument("--timeline", default=None, help="file stem for timeline PNG + Chrome trace per run")
+    ap.add_argument("--new-tokens", type=int, default=None, help="override the workload's new tokens")
+    ap.add_argument("--requests", default=None, help="override concurrent requests, e.g. 64 or 64,256")
+    args = ap.parse_args(argv)
+    if args.workload == "microbench":
+        from .ops import microbench
+
+        return microbench.main([])
+    wl = WORKLOADS[args.workload]
+    if args.new_tokens:
+        wl.new_tokens = args.new_tokens
+    if args.requests:
+        wl.requests = [int(x) for x in args.requests.split(",")]
+    print(f"# workload {args.workload}: model {wl.model}, requests {wl.requests}, prompt {wl.prompt_len}, "
+          f"new tokens {wl.new_tokens}, device {args.device or wl.device}, torch {torch.__version__}", flush=True)
+    rows = []
+    for n in wl.requests:
+        for mode in args.modes.split(","):
+            rows.append(dict(engine="tandem", **run_engine(wl, n, mode == "async", args)))
+            print(_row(rows[-1]), flush=True)
+        if args.compare == "transformers":
+            from .bench_transformers import run_transformers
+
+            for r in run_transformers(wl, n, make_prompts(n, wl.prompt_len, 250), args.device or wl.device):
+                rows.append(dict(engine="transformers", requests=n, **r))
+                print(_row(rows[-1]), flush=True)
+    out = dict(workload=args.workload, model=wl.model, new_tokens=wl.new_tokens, runs=rows)
+    if args.workload == "cpu-overhead":
+        for n in wl.requests:
+            cpu = [r["cpu_us_per_step"] for r in rows if r["requests"] == n and r.get("mode") == "async"]
+            if cpu:
+                out[f"cpu_us_per_step_{n}"] = statistics.median(cpu)
+    print(json.dumps(out))
+    return 0
+
+
+def _row(r: dict) -> str:
+    keys = ["engine", "mode", "requests", "wall_s", "tok_per_s", "gpu_busy", "cpu_us_per_step", "roofline",
+            "peak_mem_gb", "all_tokens_exact"]
+    return "  ".join(f"{k}={r[k]}" for k in keys if k in r)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""A stand-in model that answers instantly, so a run measures the engine's own CPU work per step."""
+from __future__ import annotations
+
+import torch
+
+from .models.spec import ModelSpec
+
+
+class StandInModel(torch.nn.Module):
+    """Next token = (input token + 1) mod vocab; no weights, no attention, almost no device work."""
+
+    def __init__(self, vocab_size: int = 512, device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.spec = ModelSpec(num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, hidden_size=1,
+                              intermediate_size=1, vocab_size=vocab_size, max_position_embeddings=1 << 20,
+                              eos_token_ids=(), dtype=torch.float32, model_type="stand-in")
+        self._ramp = torch.arange(vocab_size, dtype=torch.float32, device=device)  # (V,)
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        return input_ids.to(torch.float32).unsqueeze(1)  # (T, 1): the input token, as the "hidden state"
+
+    def compute_logits(self, hidden):
+        nxt = torch.remainder(hidden + 1, self.spec.vocab_size)  # (N, 1)
+        return -(self._ramp.unsqueeze(0) - nxt).abs()  # (N, V): the maximum sits at the next token
+
+
+def expected_tokens(prompt: list[int], n: int, vocab_size: int) -> list[int]:
+    """What the stand-in model generates for prompt: a ramp from its last token."""
+    return [(prompt[-1] + i + 1) % vocab_size for i in range(n)]
