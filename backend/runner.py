@@ -158,6 +158,7 @@ class ModelRunner:
             bucket = None  # penalty tables vary in width: run this step eagerly
             rows = len(st.sampled)
             sampling = self._sampling(st, rows)
+        banned = self._banned_stop_tokens(st.sampled)
         prev_slot = self.pipeline.other(slot)
         has_carry = prev is not None and bool(prev.row_of)
         width = max(1, max(len(r.block_ids) for r in batch.requests))
@@ -170,6 +171,8 @@ class ModelRunner:
                                              len(st.sampled))
             if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
                 return 0
+            if banned is not None:
+                logits[banned] = float("-inf")  # min_tokens: no stop token before the minimum
             if sampling.any_penalty:
                 self._append_input_tokens(slot, sampling, len(st.sampled))
             out = self.sampler(logits[:rows], sampling)
@@ -185,6 +188,21 @@ class ModelRunner:
         n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
         self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, slot.host_f32.numel(), compute,
                              st.read_logprobs)
+
+    def _banned_stop_tokens(self, sampled: list[Request]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, tokens) to mask for requests still short of min_tokens; None when there are none."""
+        rows, toks = [], []
+        for j, r in enumerate(sampled):
+            if r.params.min_tokens and r.num_output_tokens - 1 < r.params.min_tokens:
+                stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
+                rows += [j] * len(stops)
+                toks += sorted(stops)
+        if not rows:
+            return None
+        pin = self.device.type == "cuda"
+        index = torch.tensor([rows, toks], dtype=torch.int64).pin_memory() if pin else torch.tensor([rows, toks])
+        index = index.to(self.device, non_blocking=True)
+        return index[0], index[1]
 
     def carry_over(self, slot: Slot, prev_slot: Slot | None, num_tokens: int) -> torch.Tensor:
         """Input ids with placeholders replaced by the previous step's sampled tokens (on the device)."""

@@ -59,7 +59,7 @@ def hf_model(path: str):
     return _HF_CACHE[path]
 
 
-def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, eos: int | None = None, **kw) -> list[int]:
+def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, eos: int | list[int] | None = None, **kw) -> list[int]:
     """transformers' own greedy generate; it stops at token `eos` if given, else runs the full length."""
     model = hf_model(path)
     with torch.no_grad():

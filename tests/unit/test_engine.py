@@ -9,7 +9,7 @@ import time
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
-from tests.tiny_models import build_tiny, hf_greedy, hf_model, random_prompts
+from tests.tiny_models import EOS, build_tiny, hf_greedy, hf_model, random_prompts
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
@@ -290,3 +290,21 @@ def test_config_from_strings_and_unknown_keys():
         EngineConfig.from_dict({"max_seqs": "8"})
     with pytest.raises(ValueError, match="integer"):
         EngineConfig.from_dict({"max_num_seqs": "eight"})
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_min_tokens_masks_stop_tokens(root, async_pipeline):
+    """Before min_tokens the stop token cannot be sampled; transformers' min_new_tokens does the same."""
+    path = build_tiny("llama", root)
+    prompt = random_prompts([12], seed=9)[0]
+    free_run = hf_greedy(path, prompt, 20)
+    stop_tok = free_run[2]
+    want = hf_greedy(path, prompt, 20, eos=[stop_tok, EOS], min_new_tokens=8)  # EOS is banned too
+    engine = make_engine(path, async_pipeline)
+    try:
+        out = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_tok],
+                                                       min_tokens=8))[0]
+        assert out.token_ids == want
+        assert stop_tok not in out.token_ids[:8]
+    finally:
+        engine.shutdown()

@@ -1,0 +1,374 @@
+"""Token sampling on the device without host synchronisation: penalties, temperature, top-k/top-p/min-p, seeds.
+
+Everything the sampler reads from the batch lives in device tensors (`SamplingTensors`); the only host values
+are flags decided from the request parameters when the batch is packed, so the sampler can be captured in a
+CUDA graph and queued ahead of the GPU. Randomness is a counter-based hash of (seed, step, token), so a
+request draws the same token whatever batch it shares and whichever row it sits in.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from backend.request import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+# odd multipliers below 2**31 (hash-prospector 2-round hash), so x * m < 2**63 never overflows int64
+_MUL1 = 0x21F0AAAD
+_MUL2 = 0x735A2D97
+_SALT_SEED = 0x2545F491
+_SALT_VOCAB = 0x68E31DA4
+_NUM_FLOAT_FIELDS = 6  # temperature, top_p, min_p, repetition, presence, frequency
+_MAX_INT32 = 2**31 - 1
+_FLOAT_GETTER = operator.attrgetter(
+    "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_TOP_K_GETTER = operator.attrgetter("top_k")
+_LOGPROBS_GETTER = operator.attrgetter("logprobs")
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling settings on the device, plus host flags that pick the work to do.
+
+    The any_* flags may be set True beyond need (e.g. for one graph captured for every batch): a row whose setting is
+    neutral (top_k <= 0, top_p = 1, min_p = 0, penalties 1/0/0) comes out the same either way. A graph
+    captured for any batch should set any_top_p too: max_top_k alone picks a topk whose shape varies.
+    """
+
+    temperature: torch.Tensor  # (B,) f32, 0 = greedy row
+    top_k: torch.Tensor  # (B,) int32, <= 0 = off
+    top_p: torch.Tensor  # (B,) f32
+    min_p: torch.Tensor  # (B,) f32
+    repetition_penalty: torch.Tensor  # (B,) f32
+    presence_penalty: torch.Tensor  # (B,) f32
+    frequency_penalty: torch.Tensor  # (B,) f32
+    seeds: torch.Tensor  # (B,) int64
+    step_index: torch.Tensor  # (B,) int64, index of the output token being sampled
+    prompt_token_ids: torch.Tensor | None  # (B, Lp) int64 padded with -1; only with penalties
+    output_token_ids: torch.Tensor | None  # (B, Lo) int64 padded with -1; only with penalties
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    num_logprobs: int  # most top logprobs asked in the batch; 0: only the sampled token's; -1: none
+    max_top_k: int = 0  # largest top_k of a sampled row (0: none): top-k alone then uses topk, not a sort
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        step_indices: Sequence[int] | np.ndarray,
+        device: torch.device | str,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> "SamplingTensors":
+        """Build fresh tensors for one batch (host arrays copied without blocking on CUDA)."""
+        device = torch.device(device)
+        n = len(params)
+        host_f = np.empty((_NUM_FLOAT_FIELDS, n), dtype=np.float32)
+        host_i = np.empty((2, n), dtype=np.int64)
+        host_k = np.empty((n,), dtype=np.int32)
+        flags = _fill_host(params, seeds, step_indices, host_f, host_i, host_k)
+        dev_f, dev_i, dev_k = (_to_device(a, device) for a in (host_f, host_i, host_k))
+        prompt, output = _penalty_tokens(flags["any_penalty"], prompt_token_ids, output_token_ids, n, device)
+        return _assemble(dev_f, dev_i, dev_k, prompt, output, flags)
+
+
+class SamplingBuffers:
+    """Preallocated pinned host and device tensors for a fixed max batch, so a captured sampler sees static addresses.
+
+    Use one per pipeline slot: `fill` rewrites the host buffers, so the previous step that used this object
+    must have finished its host-to-device copy (the slot's event guarantees it).
+    """
+
+    def __init__(self, max_batch_size: int, device: torch.device | str):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        pin = self.device.type == "cuda"
+        self._host_f = torch.empty((_NUM_FLOAT_FIELDS, max_batch_size), dtype=torch.float32, pin_memory=pin)
+        self._host_i = torch.empty((2, max_batch_size), dtype=torch.int64, pin_memory=pin)
+        self._host_k = torch.empty((max_batch_size,), dtype=torch.int32, pin_memory=pin)
+        self._dev_f = torch.empty_like(self._host_f, device=self.device)  # (6, max_B)
+        self._dev_i = torch.empty_like(self._host_i, device=self.device)  # (2, max_B)
+        self._dev_k = torch.empty_like(self._host_k, device=self.device)  # (max_B,)
+
+    def fill(
+        self,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        step_indices: Sequence[int] | np.ndarray,
+        batch_size: int | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SamplingTensors:
+        """Write a batch into rows [0, len(params)), pad rows up to batch_size as greedy; return views.
+
+        The copy is queued on the current stream. Penalty token lists vary in width, so they are fresh
+        tensors: a step with penalties should run the sampler eagerly, not from a captured graph.
+        """
+        n = len(params)
+        size = n if batch_size is None else batch_size
+        if not 1 <= size <= self.max_batch_size or size < n:
+            raise ValueError(f"batch_size must be in [{max(n, 1)}, {self.max_batch_size}], got {size}")
+        host_f, host_i, host_k = self._host_f.numpy(), self._host_i.numpy(), self._host_k.numpy()
+        flags = _fill_host(params, seeds, step_indices, host_f[:, :n], host_i[:, :n], host_k[:n])
+        _fill_padding(host_f[:, n:size], host_i[:, n:size], host_k[n:size])
+        non_blocking = self.device.type == "cuda"
+        self._dev_f[:, :size].copy_(self._host_f[:, :size], non_blocking=non_blocking)
+        self._dev_i[:, :size].copy_(self._host_i[:, :size], non_blocking=non_blocking)
+        self._dev_k[:size].copy_(self._host_k[:size], non_blocking=non_blocking)
+        prompt, output = _penalty_tokens(flags["any_penalty"], prompt_token_ids, output_token_ids, size, self.device)
+        return _assemble(self._dev_f[:, :size], self._dev_i[:, :size], self._dev_k[:size], prompt, output, flags)
+
+
+def _fill_host(params, seeds, step_indices, host_f, host_i, host_k) -> dict:
+    """Write per-row settings into host arrays (6, n) f32, (2, n) i64, (n,) i32; return the host flags."""
+    n = len(params)
+    if len(seeds) != n or len(step_indices) != n:
+        raise ValueError(f"need one seed and one step index per row: {n} rows, {len(seeds)} seeds, "
+                         f"{len(step_indices)} step indices")
+    if n == 0:
+        raise ValueError("a sampling batch needs at least one row")
+    # C-level iteration over the params: ~0.2 us per row, no per-row numpy calls
+    flat = itertools.chain.from_iterable(map(_FLOAT_GETTER, params))
+    host_f[:] = np.fromiter(flat, dtype=np.float32, count=_NUM_FLOAT_FIELDS * n).reshape(n, -1).T
+    top_k = np.fromiter(map(_TOP_K_GETTER, params), dtype=np.int64, count=n)
+    host_k[:] = np.minimum(top_k, _MAX_INT32)
+    host_i[0] = _seeds_array(seeds)
+    host_i[1] = np.asarray(step_indices, dtype=np.int64)
+    temperature, top_p, min_p, rep, pres, freq = host_f
+    sampled = temperature > 0  # greedy rows ignore top-k/top-p/min-p
+    asked = [k for k in map(_LOGPROBS_GETTER, params) if k is not None]
+    top_k_on = sampled & (host_k > 0)
+    return dict(
+        all_greedy=not sampled.any(),
+        any_top_k=bool(top_k_on.any()),
+        max_top_k=int(host_k[top_k_on].max()) if top_k_on.any() else 0,
+        any_top_p=bool((sampled & (top_p < 1)).any()),
+        any_min_p=bool((sampled & (min_p > 0)).any()),
+        any_penalty=bool(((rep != 1) | (pres != 0) | (freq != 0)).any()),
+        num_logprobs=max(asked) if asked else -1,
+    )
+
+
+def _seeds_array(seeds: Sequence[int]) -> np.ndarray:
+    """Seeds as int64 holding their low 64 bits (any non-negative Python int is accepted)."""
+    try:
+        return np.asarray(seeds, dtype=np.uint64).view(np.int64)
+    except (OverflowError, ValueError, TypeError):
+        return np.fromiter((int(s) & _MASK64 for s in seeds), dtype=np.uint64, count=len(seeds)).view(np.int64)
+
+
+def _fill_padding(host_f, host_i, host_k) -> None:
+    """Neutral greedy settings for padding rows (their tokens are dropped)."""
+    host_f[:] = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)[:, None]
+    host_i[:] = 0
+    host_k[:] = 0
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array to the device; through pinned memory and without blocking on CUDA."""
+    if device.type != "cuda":
+        return torch.from_numpy(array).to(device)
+    return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
+
+
+def _penalty_tokens(any_penalty, prompt_token_ids, output_token_ids, size, device):
+    """(size, L) int64 token tables padded with -1, or (None, None) when no row has a penalty."""
+    if not any_penalty:
+        return None, None
+    if prompt_token_ids is None or output_token_ids is None:
+        raise ValueError("penalties need prompt_token_ids and output_token_ids for every row")
+    return _pad_tokens(prompt_token_ids, size, device), _pad_tokens(output_token_ids, size, device)
+
+
+def _pad_tokens(rows: Sequence[Sequence[int]], size: int, device: torch.device) -> torch.Tensor:
+    """Ragged token lists to a (size, max_len) int64 table padded with -1, in one C-level pass."""
+    if len(rows) > size:
+        raise ValueError(f"got token lists for {len(rows)} rows, batch has {size}")
+    lengths = np.zeros(size, dtype=np.int64)  # (size,)
+    lengths[: len(rows)] = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    width = max(int(lengths.max()), 1)
+    table = np.full((size, width), -1, dtype=np.int64)  # (size, L)
+    if rows and all(isinstance(r, np.ndarray) for r in rows):  # engine-kept arrays: a memcpy, no Python ints
+        flat = np.concatenate(rows).astype(np.int64, copy=False)
+    else:
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    table[np.arange(width) < lengths[:, None]] = flat  # row-major fill matches the concatenation order
+    return _to_device(table, device)
+
+
+def _assemble(dev_f, dev_i, dev_k, prompt, output, flags) -> SamplingTensors:
+    temperature, top_p, min_p, rep, pres, freq = dev_f
+    return SamplingTensors(
+        temperature=temperature, top_k=dev_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
+        presence_penalty=pres, frequency_penalty=freq, seeds=dev_i[0], step_index=dev_i[1],
+        prompt_token_ids=prompt, output_token_ids=output, **flags,
+    )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Sampled tokens and, when asked, their logprobs and the top-n alternatives (all on the device)."""
+
+    token_ids: torch.Tensor  # (B,) int64
+    logprobs: torch.Tensor | None = None  # (B,) f32, of the sampled token under the raw logits
+    top_ids: torch.Tensor | None = None  # (B, K) int64
+    top_logprobs: torch.Tensor | None = None  # (B, K) f32
+
+
+class Sampler:
+    """Turns a batch of logits into next tokens on the device, with no host synchronisation."""
+
+    def __init__(self) -> None:
+        self._vocab_hash: torch.Tensor | None = None  # (V,) cached per vocabulary size and device
+
+    def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != st.batch_size:
+            raise ValueError(f"logits must be (B={st.batch_size}, V), got {tuple(logits.shape)}")
+        raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None  # (B, V)
+        if st.any_penalty:
+            logits = apply_penalties(logits, st)
+        greedy = logits.argmax(dim=-1)  # (B,) bit-exact with torch.argmax of the (penalised) logits
+        if st.all_greedy:
+            tokens = greedy
+        else:
+            tokens = torch.where(st.temperature == 0, greedy, self._sample(logits, st))
+        return _with_logprobs(tokens, raw_logprobs, st.num_logprobs)
+
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """Temperature, top-k/top-p/min-p, then an exponential race; returns (B,) int64."""
+        temperature = torch.where(st.temperature > 0, st.temperature, 1.0)  # greedy rows: result unused
+        scaled = logits / temperature.unsqueeze(1)  # (B, V)
+        if st.any_top_k and not st.any_top_p and 0 < st.max_top_k <= logits.shape[1] // 8:
+            scaled = apply_top_k(scaled, st.top_k, st.max_top_k)
+        elif st.any_top_k or st.any_top_p:
+            scaled = apply_top_k_top_p(scaled, st.top_k if st.any_top_k else None,
+                                       st.top_p if st.any_top_p else None)
+        probs = scaled.softmax(dim=-1)  # (B, V)
+        if st.any_min_p:
+            probs = apply_min_p(probs, st.min_p)
+        noise = exponential_noise(st.seeds, st.step_index, self.vocab_hash(logits.shape[1], logits.device))
+        # multinomial sampling without a cuda synchronization: argmax(p / Exp(1)) draws i with probability p_i
+        return probs.div_(noise).argmax(dim=-1)
+
+    def vocab_hash(self, vocab_size: int, device: torch.device | str) -> torch.Tensor:
+        """(V,) int64 hashes of the token indices; cached (call once before graph capture)."""
+        device = torch.device(device)
+        cached = self._vocab_hash
+        if cached is None or cached.shape[0] != vocab_size or cached.device != device:
+            cached = _mix32_(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ _SALT_VOCAB)
+            self._vocab_hash = cached
+        return cached
+
+
+def _with_logprobs(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, k: int) -> SamplerOutput:
+    if raw_logprobs is None:
+        return SamplerOutput(tokens)
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
+    if k == 0:
+        return SamplerOutput(tokens, chosen)
+    top_logprobs, top_ids = raw_logprobs.topk(k, dim=-1)  # (B, K)
+    return SamplerOutput(tokens, chosen, top_ids, top_logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Repetition over prompt + output tokens (HF/vLLM); presence/frequency over output tokens (OpenAI)."""
+    if st.prompt_token_ids is None or st.output_token_ids is None:
+        raise ValueError("penalties need prompt_token_ids and output_token_ids")
+    vocab = logits.shape[1]
+    counts = _token_counts(st.output_token_ids, vocab, logits.dtype)  # (B, V)
+    in_output = counts > 0  # (B, V)
+    seen = in_output | (_token_counts(st.prompt_token_ids, vocab, logits.dtype) > 0)  # (B, V)
+    rep = st.repetition_penalty.unsqueeze(1)  # (B, 1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - st.frequency_penalty.unsqueeze(1) * counts
+    return logits - st.presence_penalty.unsqueeze(1) * in_output
+
+
+def _token_counts(token_ids: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, L) ids padded with -1 → (B, V) occurrence counts (padding lands in a dropped extra column)."""
+    valid = (token_ids >= 0) & (token_ids < vocab)
+    index = torch.where(valid, token_ids, vocab)  # (B, L)
+    counts = torch.zeros(token_ids.shape[0], vocab + 1, dtype=dtype, device=token_ids.device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=dtype))  # exact: small integers in float
+    return counts[:, :vocab]
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Mask (-inf) tokens outside each row's top-k via topk(max_top_k), cheaper than a full sort for small k."""
+    best = logits.topk(max_top_k, dim=-1).values  # (B, K) descending
+    k = top_k.clamp(min=1, max=max_top_k).to(torch.int64)  # (B,)
+    cutoff = best.gather(1, (k - 1).unsqueeze(1))  # (B, 1) smallest kept logit
+    cutoff = torch.where(top_k.unsqueeze(1) > 0, cutoff, float("-inf"))  # rows without top-k keep all
+    return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (-inf) tokens outside each row's top-k and top-p nucleus; ties with the cutoff are kept."""
+    batch, vocab = logits.shape
+    sorted_logits = logits.sort(dim=-1, descending=True).values  # (B, V)
+    positions = torch.arange(vocab, device=logits.device)  # (V,)
+    num_keep = torch.full((batch,), vocab, dtype=torch.int64, device=logits.device)  # (B,)
+    if top_k is not None:
+        num_keep = torch.where(top_k > 0, top_k.clamp(max=vocab).to(torch.int64), num_keep)
+        sorted_logits = sorted_logits.masked_fill(positions >= num_keep.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)  # (B, V) after top-k, as top-p renormalises what top-k kept
+        mass_before = probs.cumsum(dim=-1) - probs  # (B, V) mass of the strictly better tokens
+        needed = (mass_before < top_p.unsqueeze(1)).sum(dim=-1)  # (B,) >= 1 since top_p > 0
+        num_keep = torch.where(top_p < 1, torch.minimum(num_keep, needed.clamp(min=1)), num_keep)
+    cutoff = sorted_logits.gather(1, (num_keep - 1).unsqueeze(1))  # (B, 1) smallest kept logit
+    return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero tokens whose probability is below min_p times the row's best (no renormalising: the race ignores scale)."""
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # (B, 1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def exponential_noise(seeds: torch.Tensor, step_index: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """(B, V) Exp(1) draws that depend only on (seed, step, token): the same on any row, batch and device."""
+    key = _mix32_((seeds & _MASK32) ^ _SALT_SEED)  # (B,)
+    key = _mix32_(key ^ ((seeds >> 32) & _MASK32))
+    key = _mix32_(key ^ (step_index & _MASK32))
+    key = _mix32_(key ^ ((step_index >> 32) & _MASK32))
+    # the hash's first shift-xor distributes over ^, so it runs on the (B,) and (V,) halves, not on (B, V)
+    key = _shift_xor_(key, 16)
+    vocab_part = vocab_hash ^ (vocab_hash >> 16)  # (V,)
+    bits = _mix32_tail_(key.unsqueeze(1) ^ vocab_part.unsqueeze(0))  # (B, V) uniform 32-bit words in int64
+    # 23 bits + 0.5 is exact in float32 and keeps u in (0, 1), so -log(u) is finite and > 0
+    uniform = (bits >> 9).to(torch.float32).add_(0.5).mul_(2.0**-23)
+    return uniform.log_().neg_()
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """In place: 32-bit avalanche hash of int64 values in [0, 2**32); multipliers < 2**31 keep products in int64."""
+    return _mix32_tail_(_shift_xor_(x, 16))
+
+
+def _shift_xor_(x: torch.Tensor, shift: int) -> torch.Tensor:
+    return x.bitwise_xor_(x >> shift)
+
+
+def _mix32_tail_(x: torch.Tensor) -> torch.Tensor:
+    """In place: _mix32_ after its first shift-xor."""
+    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 15)
