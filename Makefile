@@ -35,5 +35,17 @@ serve: venv
 bench: venv
 	$(PY) -m backend.bench --workload cpu-tiny --compare transformers
 
+LOADTEST_USERS ?= 8
+LOADTEST_DURATION ?= 60
+LOADTEST_PROTOCOL ?= grpc
+LOADTEST_MAX_TOKENS ?= 128
+LOADTEST_HOST ?=
+LOADTEST_ARGS ?=
+
+loadtest: venv
+	$(PY) -m loadtest.run --users $(LOADTEST_USERS) --duration $(LOADTEST_DURATION) \
+	    --protocol $(LOADTEST_PROTOCOL) --max-tokens $(LOADTEST_MAX_TOKENS) \
+	    $(if $(LOADTEST_HOST),--host $(LOADTEST_HOST)) $(LOADTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache

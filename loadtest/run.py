@@ -1,0 +1,111 @@
+"""`python -m loadtest.run`: run Locust headless against a Triton LLM model, then summarise and chart it.
+
+Exit status: 0 all good, 1 failures or a missed SLO, 2 the run could not happen (server down, Locust error).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from client import Client, GenerateRequest
+from client.urls import DEFAULT_URLS
+from loadtest.charts import write_all
+from loadtest.prompts import DEFAULT_PROMPTS
+from loadtest.report import read_csv, summarize, table
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+REPO_ROOT = LOCUSTFILE.parent.parent
+LOCUST_GRACE_S = 120  # start-up and shutdown on top of --duration
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--users", type=int, default=8, help="concurrent streams (closed loop)")
+    p.add_argument("--spawn-rate", type=float, default=8.0, help="users started per second")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    p.add_argument("--host", help=f"server (default: grpc {DEFAULT_URLS['grpc']}, http http://{DEFAULT_URLS['http']})")
+    p.add_argument("--model", default="llm")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--ignore-eos", action="store_true", help="every request generates exactly --max-tokens")
+    p.add_argument("--no-stats", action="store_true", help="do not send return_* inputs (models without them)")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    p.add_argument("--out", help="output folder (default: out/loadtest/<time>)")
+    p.add_argument("--slo-ttft-p95-ms", type=float)
+    p.add_argument("--slo-itl-p95-ms", type=float)
+    args = p.parse_args(argv)
+    if args.users < 1 or args.duration <= 0 or args.spawn_rate <= 0:
+        p.error("--users, --duration and --spawn-rate must be positive")
+    try:
+        GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    except ValueError as err:
+        p.error(str(err))
+    args.host = args.host or (DEFAULT_URLS["grpc"] if args.protocol == "grpc" else f"http://{DEFAULT_URLS['http']}")
+    args.out = Path(args.out or REPO_ROOT / "out" / "loadtest" / time.strftime("%Y%m%d-%H%M%S"))
+    return args
+
+
+def locust_command(args: argparse.Namespace, prefix: Path, samples: Path) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+        "--users", str(args.users), "--spawn-rate", str(args.spawn_rate), "--run-time", f"{int(round(args.duration))}s",
+        "--host", args.host, "--csv", str(prefix), "--csv-full-history", "--loglevel", "WARNING",
+        "--protocol", args.protocol, "--model", args.model, "--max-tokens", str(args.max_tokens),
+        "--temperature", str(args.temperature), "--top-p", str(args.top_p), "--prompts", args.prompts,
+        "--samples-file", str(samples),
+    ]
+    return cmd + (["--ignore-eos"] if args.ignore_eos else []) + (["--no-stats"] if args.no_stats else [])
+
+
+def run_locust(cmd: list[str], log: Path, duration: float) -> int:
+    """Locust in a subprocess: importing it here would gevent-patch this process."""
+    with log.open("w") as f:
+        try:
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                  timeout=duration + LOCUST_GRACE_S).returncode
+        except subprocess.TimeoutExpired:  # subprocess.run has already killed it
+            print(f"error: locust did not stop within {LOCUST_GRACE_S} s of --duration", file=sys.stderr)
+            return -1
+
+
+def settings(args: argparse.Namespace) -> dict:
+    keys = ("users", "spawn_rate", "duration", "protocol", "host", "model", "max_tokens", "temperature",
+            "top_p", "ignore_eos", "prompts")
+    return {k: getattr(args, k) for k in keys}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with Client(args.host, args.protocol, args.model) as client:
+        if not client.is_ready():
+            print(f"error: model '{args.model}' is not ready at {args.host} — start the server with `make serve`",
+                  file=sys.stderr)
+            return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    prefix, samples, log = args.out / "locust", args.out / "samples.jsonl", args.out / "locust.log"
+    samples.unlink(missing_ok=True)
+    print(f"load test: {json.dumps(settings(args))}", flush=True)
+    code = run_locust(locust_command(args, prefix, samples), log, args.duration)
+    if not Path(f"{prefix}_stats.csv").exists():
+        print(f"error: locust exited with {code} and wrote no stats; see {log}:\n{log.read_text()[-2000:]}",
+              file=sys.stderr)
+        return 2
+    summary = summarize(prefix, samples, settings(args), args.slo_ttft_p95_ms, args.slo_itl_p95_ms)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    charts = write_all(read_csv(Path(f"{prefix}_stats_history.csv")), summary, args.out)
+    print(table(summary))
+    print(json.dumps({k: summary.get(k) for k in ("requests", "requests_per_s", "output_tokens_per_s")}
+                     | {"failures": summary["failures"]["count"], "passed": summary["passed"]}))
+    print(f"wrote {args.out}/summary.json, locust_*.csv, " + ", ".join(p.name for p in charts))
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
