@@ -52,14 +52,33 @@ class IncrementalDetokenizer:
 
         exclude_from_text: the tokens (EOS, a stop token id) join token_ids but their text never appears.
         """
-        if self._stopped or self._finished:
+        if not self.stage(token_ids, exclude_from_text):
             return ""
+        return self.apply(*self._decode_pair(self.windows()), final=False)
+
+    def stage(self, token_ids: Iterable[int], exclude_from_text: bool = False) -> bool:
+        """Accept tokens without decoding; True when there is new text to decode (see windows/apply)."""
+        if self._stopped or self._finished:
+            return False
         token_ids = list(token_ids)
         self._token_ids.extend(token_ids)
         if exclude_from_text or not token_ids:
-            return ""
+            return False
         self._window.extend(token_ids)
-        return self._emit(self._decode_new(final=False))
+        return True
+
+    def windows(self) -> tuple[list[int], list[int]]:
+        """The two id windows whose decoded texts `apply` needs: already-emitted context, and all of it."""
+        window, prefix, read = self._window, self._prefix_offset, self._read_offset
+        return window[prefix:read], window[prefix:]
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        return self._skip_special
+
+    def apply(self, prefix_text: str, full_text: str, final: bool = False) -> str:
+        """Given the decoded windows, advance the offsets and return the new safe text."""
+        return self._emit(self._advance(prefix_text, full_text, final))
 
     def finish(self) -> str:
         """The request ends for another reason (length/EOS/abort): release held-back text, then ''."""
@@ -73,16 +92,25 @@ class IncrementalDetokenizer:
         self._text += rest
         return delta + rest
 
+    def decode_windows(self) -> tuple[str, str]:
+        """Decode both windows here (the output thread batches them across requests instead)."""
+        return self._decode_pair(self.windows())
+
+    def _decode_pair(self, windows: tuple[list[int], list[int]]) -> tuple[str, str]:
+        return self._decode(windows[0]), self._decode(windows[1])
+
     def _decode_new(self, final: bool) -> str:
         """Text of the tokens after read_offset; '' while it ends in a partial character (unless final)."""
-        window, prefix, read = self._window, self._prefix_offset, self._read_offset
-        if read >= len(window):
+        if self._read_offset >= len(self._window):
             return ""
-        prefix_text = self._decode(window[prefix:read])
-        full_text = self._decode(window[prefix:])
+        return self._advance(*self._decode_pair(self.windows()), final)
+
+    def _advance(self, prefix_text: str, full_text: str, final: bool) -> str:
+        if self._read_offset >= len(self._window):
+            return ""
         if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT)):
             return ""  # wait for the rest of a multi-byte character
-        self._prefix_offset, self._read_offset = read, len(window)
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
         if self._prefix_offset > _TRIM_AFTER:
             del self._window[: self._prefix_offset]
             self._read_offset -= self._prefix_offset

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 from typing import Iterable, Sequence
@@ -29,6 +30,7 @@ class EngineDead(RuntimeError):
 
 
 _MAX_CONSECUTIVE_FAULTS = 3
+_SWITCH_INTERVAL_S = 0.0005
 
 
 class Engine:
@@ -60,6 +62,9 @@ class Engine:
         self._steps = 0
         self._fault_every = int(self.config.extra.get("fault_every_n_steps", 0))
         self._stats_snapshot: dict = {}
+        # why: the loop thread hands the GIL back and forth with the output and sender threads; a short switch
+        # interval keeps it from waiting up to 5 ms to get the GIL back after each CUDA wait
+        sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
         self.outputs = OutputProcessor(self.tokenizer, self._on_stop_string, self._release_id)
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()

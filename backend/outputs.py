@@ -67,28 +67,73 @@ class OutputProcessor:
             events = self._queue.get()
             if events is None:
                 return
-            for ev in events:
-                try:
-                    self._handle(ev)
-                except Exception:  # one request's bad output must not stop the others
-                    log.exception("output processing failed for %s", ev.request_id)
-                    self._deliver_final(ev.request_id, "error", "output processing failed")
+            try:  # take every step that is already waiting: one batched decode for all of them
+                while True:
+                    more = self._queue.get_nowait()
+                    if more is None:
+                        self._process(events)
+                        return
+                    events = events + more
+            except queue.Empty:
+                pass
+            self._process(events)
 
-    def _handle(self, ev: StepEvent) -> None:
+    def _process(self, events: list[StepEvent]) -> None:
+        staged = []
+        for ev in events:
+            try:
+                item = self._stage(ev)
+            except Exception:  # one request's bad output must not stop the others
+                log.exception("output processing failed for %s", ev.request_id)
+                self._deliver_final(ev.request_id, "error", "output processing failed")
+                continue
+            if item is not None:
+                staged.append(item)
+        decoded = iter(self._decode_batch([st.detok for st, _, needs in staged if needs]))
+        for state, ev, needs in staged:
+            try:
+                self._emit(state, ev, next(decoded) if needs else None)
+            except Exception:
+                log.exception("output processing failed for %s", ev.request_id)
+                self._deliver_final(ev.request_id, "error", "output processing failed")
+
+    def _decode_batch(self, detoks: list[IncrementalDetokenizer]) -> list[tuple[str, str]]:
+        """Both windows of every request in one call per skip flag; the Rust batch decode runs without the GIL,
+        so the engine thread keeps running meanwhile."""
+        if not detoks:
+            return []
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return [d.decode_windows() for d in detoks]
+        out: list[tuple[str, str] | None] = [None] * len(detoks)
+        for flag in (True, False):
+            idx = [i for i, d in enumerate(detoks) if d.skip_special_tokens is flag]
+            if not idx:
+                continue
+            flat = [w for i in idx for w in detoks[i].windows()]
+            texts = backend.decode_batch(flat, skip_special_tokens=flag)
+            for j, i in enumerate(idx):
+                out[i] = (texts[2 * j], texts[2 * j + 1])
+        return out
+
+    def _stage(self, ev: StepEvent):
         with self._lock:
             state = self._states.get(ev.request_id)
         if state is None:
-            return  # already finished (e.g. by a stop string): later tokens are dropped
-        req, reason = state.request, ev.finish_reason
-        delta_ids: list[int] = []
-        delta_lp: list[dict] | None = None
-        delta_text = ""
+            return None  # already finished (e.g. by a stop string): later tokens are dropped
+        needs = False
         if ev.token is not None:
-            delta_ids = [ev.token]
             state.token_ids.append(ev.token)
             # the token that stopped the request (EOS / a stop id) is in token_ids but not in the text
-            hidden = reason == FINISH_STOP
-            delta_text = state.detok.add_tokens(delta_ids, exclude_from_text=hidden)
+            needs = state.detok.stage([ev.token], exclude_from_text=ev.finish_reason == FINISH_STOP)
+        return state, ev, needs
+
+    def _emit(self, state: _OutputState, ev: StepEvent, decoded: tuple[str, str] | None) -> None:
+        req, reason = state.request, ev.finish_reason
+        delta_ids = [ev.token] if ev.token is not None else []
+        delta_lp: list[dict] | None = None
+        delta_text = state.detok.apply(*decoded) if decoded is not None else ""
+        if ev.token is not None:
             if ev.logprob is not None and state.logprobs is not None:
                 delta_lp = [_logprob_entry(ev.token, ev.logprob)]
                 state.logprobs.extend(delta_lp)

@@ -203,7 +203,7 @@ def test_mistral_sliding_window_raises(tmp_path):
 
 
 def test_bad_model_argument_raises(tmp_path):
-    with pytest.raises(ValueError, match="local checkpoint folder or the alias"):
+    with pytest.raises(ValueError, match="local checkpoint folder, the alias"):
         resolve_model_path("no/such/model", cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="config.json"):
         resolve_model_path(str(tmp_path), cache_dir=str(tmp_path))

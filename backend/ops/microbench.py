@@ -1,0 +1,256 @@
+"""Microbenchmarks of one decode step's memory-bound parts on CUDA: paged decode attention and the weight pass.
+
+`python -m backend.ops.microbench [--sweep]` prints a table, then one JSON line. Every figure is bytes that
+must cross device memory (KV read once / weights read once) over the time of a CUDA-graph replay.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["bench_decode_attention", "bench_prefill_attention", "bench_weight_pass", "sweep_decode", "sweep_prefill"]
+
+
+_DEV = "cuda"
+
+
+def _require_cuda():
+    if _DEV == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("the microbenchmarks need a CUDA device")
+
+
+def _time_graph(fn, replays: int = 20, repeats: int = 7) -> float:
+    """Median milliseconds of one call of fn, captured in a CUDA graph and replayed `replays` times a sample."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile, autotune and allocate outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / replays)
+    del graph
+    return statistics.median(samples)
+
+
+class _DecodeSetup:
+    """A decode batch over a random paged cache: every sequence `context` long, shuffled block ids."""
+
+    def __init__(self, batch, context, num_heads, num_kv_heads, head_dim, block_size, dtype):
+        from backend.ops.attention import AttentionMetadata
+
+        dev = _DEV
+        blocks_per_seq = -(-context // block_size)
+        num_blocks = 1 + batch * blocks_per_seq
+        self.cache = torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=dev)
+        self.cache.normal_()
+        ids = torch.randperm(num_blocks - 1, device=dev)[: batch * blocks_per_seq] + 1
+        bt = ids.view(batch, blocks_per_seq).to(torch.int32)
+        last = context - 1
+        slots = bt[:, last // block_size].long() * block_size + last % block_size
+        self.meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
+            block_tables=bt,
+            max_query_len=1,
+            max_seq_len=context,
+        )
+        self.q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=dev)
+        self.k = torch.randn(batch, num_kv_heads, head_dim, dtype=dtype, device=dev)
+        self.v = torch.randn(batch, num_kv_heads, head_dim, dtype=dtype, device=dev)
+        self.scale = head_dim ** -0.5
+        self.kv_bytes = 2 * batch * context * num_kv_heads * head_dim * self.cache.element_size()
+
+
+def bench_decode_attention(batch=32, context=4096, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                           dtype=torch.bfloat16, **launch) -> dict:
+    """One layer's paged decode attention (KV write + split-K attention + reduce); TB/s = KV bytes / time."""
+    _require_cuda()
+    from backend.ops import triton_attention as ta
+
+    s = _DecodeSetup(batch, context, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    if launch:
+        def step():
+            ta.write_kv_cache(s.k, s.v, s.cache, s.meta.slot_mapping)
+            return ta.decode_attention(s.q, s.cache, s.meta, s.scale, **launch)
+    else:
+        def step():
+            return ta.paged_attention(s.q, s.k, s.v, s.cache, s.meta, s.scale)
+    ms = _time_graph(step)
+    splits = launch.get("num_splits") or ta.choose_num_splits(batch, num_kv_heads, context,
+                                                              ta._sm_count(s.q.device))
+    return dict(ms=ms, tb_per_s=s.kv_bytes / ms / 1e9, num_splits=splits)
+
+
+def sweep_decode(batch=32, context=4096, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                 splits=(1, 2, 3, 4, 6, 8, 16)) -> list:
+    """Decode attention over split counts (default tile): rows for KERNELS.md."""
+    from backend.ops import triton_attention as ta
+
+    auto = ta.choose_num_splits(batch, num_kv_heads, context, ta._sm_count(torch.device(_DEV)))
+    rows = []
+    for n in sorted(set(splits) | {auto}):
+        shape = dict(batch=batch, context=context, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, block_size=block_size)
+        rows.append(dict(shape, auto=n == auto, **_guarded(bench_decode_attention, **shape, num_splits=n)))
+    return rows
+
+
+def sweep_prefill() -> list:
+    """Prefill attention (one 2K prompt) over tile shapes, warps and stages."""
+    rows = []
+    for bm, bn, w, st in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
+                          (128, 128, 8, 2), (64, 128, 4, 2)):
+        cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        rows.append(dict(cfg, **_guarded(bench_prefill_attention, **cfg)))
+    return rows
+
+
+def _guarded(fn, **kw) -> dict:
+    try:
+        return fn(**kw)
+    except Exception as exc:  # an unlucky config (shared memory, registers) must not end the sweep
+        return dict(ms=float("nan"), error=f"{type(exc).__name__}: {exc}"[:160])
+
+
+def bench_prefill_attention(num_tokens=2048, num_seqs=1, num_heads=32, num_kv_heads=8, head_dim=128,
+                            block_size=16, dtype=torch.bfloat16, **launch) -> dict:
+    """Causal prefill of `num_seqs` prompts of num_tokens/num_seqs tokens each; TFLOP/s of the causal half."""
+    _require_cuda()
+    from backend.ops.attention import AttentionMetadata
+    from backend.ops import triton_attention as ta
+
+    dev = _DEV
+    n = num_tokens // num_seqs
+    bps = -(-n // block_size)
+    num_blocks = 1 + num_seqs * bps
+    cache = torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=dev).normal_()
+    bt = (torch.randperm(num_blocks - 1, device=dev) + 1).view(num_seqs, bps).to(torch.int32)
+    p = torch.arange(n, device=dev)
+    slots = (bt[:, p // block_size].long() * block_size + p % block_size).reshape(-1)
+    meta = AttentionMetadata(slots, torch.arange(0, num_seqs * n + 1, n, dtype=torch.int32, device=dev),
+                             torch.full((num_seqs,), n, dtype=torch.int32, device=dev), bt, n, n)
+    q = torch.randn(num_seqs * n, num_heads, head_dim, dtype=dtype, device=dev)
+    k = torch.randn(num_seqs * n, num_kv_heads, head_dim, dtype=dtype, device=dev)
+    v = torch.randn_like(k)
+    if launch:
+        def step():
+            ta.write_kv_cache(k, v, cache, slots)
+            return ta.prefill_attention(q, cache, meta, head_dim ** -0.5, **launch)
+    else:
+        def step():
+            return ta.paged_attention(q, k, v, cache, meta, head_dim ** -0.5)
+    ms = _time_graph(step, replays=10)
+    flops = num_seqs * 4 * (n * (n + 1) / 2) * num_heads * head_dim
+    return dict(ms=ms, tflop_per_s=flops / ms / 1e9)
+
+
+def bench_weight_pass(hidden=4096, intermediate=14336, layers=32, vocab=128256, heads=32, kv_heads=8, batch=32,
+                      with_layers=False) -> dict:
+    """One decode step's fused GEMMs (qkv, o, gate_up, down per layer, then lm_head), random bf16 weights.
+
+    with_layers adds the fused Triton norm and activation kernels between them (attention itself is left out)."""
+    _require_cuda()
+    dev, dt = _DEV, torch.bfloat16
+    head_dim = hidden // heads
+    qkv_out = (heads + 2 * kv_heads) * head_dim
+
+    def weight(out_f, in_f):  # std 1/sqrt(in) keeps activations bounded through 129 GEMMs
+        return torch.empty(out_f, in_f, dtype=dt, device=dev).normal_(0.0, in_f ** -0.5)
+
+    ws = [(weight(qkv_out, hidden), weight(hidden, heads * head_dim), weight(2 * intermediate, hidden),
+           weight(hidden, intermediate)) for _ in range(layers)]
+    lm_head = weight(vocab, hidden)
+    norm_w = torch.ones(hidden, dtype=dt, device=dev)
+    x = torch.randn(batch, hidden, dtype=dt, device=dev)
+    nbytes = sum(w.numel() * w.element_size() for layer in ws for w in layer) + lm_head.numel() * 2
+    if with_layers:
+        from backend.ops import triton_layers as tly
+
+    def step():
+        h = x
+        residual = x
+        for wqkv, wo, wgu, wd in ws:
+            qkv = F.linear(h, wqkv)
+            attn = qkv[:, : heads * head_dim]  # stands in for attention's output (same shape)
+            h = F.linear(attn, wo)
+            if with_layers:
+                h, residual = tly.add_rms_norm(h, residual, norm_w, 1e-5)
+                act = tly.silu_and_mul(F.linear(h, wgu))
+            else:
+                act = F.linear(h, wgu)[:, :intermediate]
+            h = F.linear(act, wd)
+        return F.linear(h, lm_head)
+
+    ms = _time_graph(step, replays=10, repeats=5)
+    return dict(ms=ms, tb_per_s=nbytes / ms / 1e9, gbytes=nbytes / 1e9)
+
+
+def _fmt(v):
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sweep", action="store_true", help="also sweep decode launch configurations")
+    args = ap.parse_args(argv)
+    _require_cuda()
+    results = {"device": torch.cuda.get_device_name()}
+    if args.sweep:
+        results["decode_sweep"] = (sweep_decode() + sweep_decode(batch=64, context=1024, splits=(1, 2, 4))
+                                   + sweep_decode(batch=4, context=32768, splits=(8, 16, 17, 32))
+                                   + sweep_decode(batch=8, context=8192, splits=(4, 8, 16)))
+        results["prefill_sweep"] = sweep_prefill()
+        print("sweeps (32/8 heads, d128, bs16, bf16)")
+        for row in results["decode_sweep"] + results["prefill_sweep"]:
+            print("  " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k not in ("num_heads", "num_kv_heads",
+                                                                                      "head_dim", "block_size")))
+    shapes = {
+        "decode_b32_4k": dict(batch=32, context=4096),
+        "decode_b32_8k": dict(batch=32, context=8192),
+        "decode_b32_4k_bs32": dict(batch=32, context=4096, block_size=32),
+        "decode_b64_1k": dict(batch=64, context=1024),
+        "decode_b4_32k": dict(batch=4, context=32768),
+        "decode_b1_16k": dict(batch=1, context=16384),
+        "decode_b32_4k_smollm": dict(batch=32, context=4096, num_heads=9, num_kv_heads=3, head_dim=64),
+    }
+    for name, kw in shapes.items():
+        results[name] = bench_decode_attention(**kw)
+    results["prefill_2k"] = bench_prefill_attention()
+    results["prefill_8x512"] = bench_prefill_attention(num_tokens=4096, num_seqs=8)
+    results["weight_pass"] = bench_weight_pass()
+    results["weight_pass_fused_layers"] = bench_weight_pass(with_layers=True)
+
+    print(f"{'benchmark':28s} {'ms':>9s} {'TB/s':>7s}  notes")
+    for name, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        rate = r.get("tb_per_s")
+        note = f"{r['tflop_per_s']:.0f} TFLOP/s" if "tflop_per_s" in r else (
+            f"splits={r['num_splits']}" if "num_splits" in r else "")
+        print(f"{name:28s} {r['ms']:9.4f} {rate if rate is not None else float('nan'):7.3f}  {note}")
+    print(json.dumps(results, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""Paged attention for CUDA, written in the Triton language: KV-cache write, split-K decode, chunked prefill."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
+    raise ImportError("backend.ops.triton_attention needs the `triton` package") from exc
+
+__all__ = ["paged_attention", "write_kv_cache", "decode_attention", "prefill_attention", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+
+# Decode launch defaults (tuned on one H200; KERNELS.md has the sweep).
+DECODE_BLOCK_N = 64       # KV tokens per tile: 64 x 128 x 2 B = 16 KB of K (and of V) per step in flight
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3     # cp.async pipelining of the K/V tile loads
+DECODE_PROGRAMS_PER_SM = 4  # splits are chosen so the grid has about this many programs per SM
+DECODE_MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (q load, partial write, reduce) dominates
+DECODE_MAX_SPLITS = 64
+
+PREFILL_BLOCK_M = 64      # rows of one program: (query token, query head of the KV group) pairs
+PREFILL_BLOCK_N = 64
+PREFILL_NUM_WARPS = 4
+PREFILL_NUM_STAGES = 2
+
+
+def _alloc(shape, dtype, device):
+    """Fresh, uninitialised buffer; one indirection so tests can poison every new output."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # Triton's CPU interpreter: any small number keeps the split logic exercised
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 dots would run as tf32 (1e-3 error) by default; "ieee" keeps fp32 exact to ~1e-6.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _stages(stages: int, dtype: torch.dtype) -> int:
+    # fp32 tiles are twice as large: two stages of K and V (64 x 128 x 4 B each) already take 128 KB of shared memory
+    return min(stages, 2) if dtype == torch.float32 else stages
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Number of context splits for decode from host ints only, so a captured graph never reads the device."""
+    base = max(1, batch * num_kv_heads)
+    # Rounded to nearest, not up: on the H200 batch 32 x 8 KV heads ran at 4.0 TB/s with 2 splits (512 programs,
+    # ~4 per SM) but 3.6 with 3 (768: a second, partial wave of programs).
+    want = (DECODE_PROGRAMS_PER_SM * num_sms + base // 2) // base
+    by_len = triton.cdiv(max(1, max_seq_len), DECODE_MIN_SPLIT_TOKENS)
+    return max(1, min(want, by_len, DECODE_MAX_SPLITS))
+
+
+# --------------------------------------------------------------------------------------------------------
+# KV-cache write (reshape_and_cache)
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ckv, stride_cb, stride_cs, stride_ch,
+    H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # a negative slot means "do not cache" (never produced by the runner, but cheap to honour)
+        return
+    blk = slot // BS
+    off = slot % BS
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h < H)[:, None] & (offs_d < D)[None, :]
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    dst = cache_ptr + blk * stride_cb + off * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor):
+    """Write k, v (T, Hkv, D) into kv_cache_layer (2, NB, BS, Hkv, D) at the flat slots of slot_mapping (T,)."""
+    T, H, D = k.shape
+    if T == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    c = kv_cache_layer
+    _write_kv_kernel[(T,)](
+        k, v, c, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        c.stride(0), c.stride(1), c.stride(2), c.stride(3),
+        H=H, D=D, H_PAD=triton.next_power_of_2(H), D_PAD=triton.next_power_of_2(D), BS=c.shape[2],
+        num_warps=4 if H * D >= 1024 else 1,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Decode: one query token per sequence; one program = (sequence, KV head, context split)
+# --------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_splits"])  # one binary for every split count: no recompiles
+def _decode_kernel(
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2 (exp2 is one instruction)
+    num_splits, stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # DIRECT: a single split writes the normalised output itself and no reduce kernel runs
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    row = tl.load(qsl_ptr + b).to(tl.int64)
+
+    # All G query heads of this KV head share every K/V tile: the cache is read once per KV head.
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    heads = kvh * G + offs_g
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (G_PAD, D_PAD)
+
+    # Each sequence splits its own length (not the batch maximum) evenly, in whole tiles.
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    kv_base = cache_ptr + kvh * stride_ch
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        blk = tl.load(bt_row + pos // BS, mask=n_mask, other=0).to(tl.int64)
+        tok_off = blk * stride_cb + (pos % BS) * stride_cs  # (BLOCK_N,) rows of the paged cache
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, D_PAD)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (G_PAD, BLOCK_N)
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # Masked V rows must load as 0, not as whatever the cache holds: 0 * NaN would still poison acc.
+        v = tl.load(kv_base + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials are written even for an empty split (m = -inf, l = 0, acc = 0) so the reduce reads no garbage.
+        part = (b.to(tl.int64) * HQ + heads) * num_splits + split  # (G_PAD,) index into (B, HQ, num_splits)
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+    HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(qsl_ptr + b).to(tl.int64)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < D
+    base = (b.to(tl.int64) * HQ + h) * num_splits
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + base + offs_s, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)  # empty splits weigh 0
+    acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * D + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(l * w, 0)
+    den = tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, (num / den).to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+def decode_attention(q, kv_cache_layer, meta, scale, out=None, *, num_splits=None, block_n=None,
+                     num_warps=None, num_stages=None):
+    """Paged decode attention (one query token per sequence) over the cache; split-K with a reduce kernel."""
+    T, HQ, D = q.shape
+    _, _, BS, HKV, _ = kv_cache_layer.shape
+    B = meta.seq_lens.shape[0]
+    G = HQ // HKV
+    if out is None:
+        out = _alloc((T, HQ, D), q.dtype, q.device)
+    if B == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if num_splits is None:
+        num_splits = choose_num_splits(B, HKV, int(meta.max_seq_len), _sm_count(q.device))
+    block_n = block_n or DECODE_BLOCK_N
+    D_PAD = max(16, triton.next_power_of_2(D))
+    c = kv_cache_layer
+    bt = meta.block_tables
+    if num_splits > 1:
+        part_acc = _alloc((B, HQ, num_splits, D), torch.float32, q.device)
+        part_m = _alloc((B, HQ, num_splits), torch.float32, q.device)
+        part_l = _alloc((B, HQ, num_splits), torch.float32, q.device)
+    else:
+        part_acc = part_m = part_l = out  # unused: the kernel writes the output directly
+    _decode_kernel[(B, HKV, num_splits)](
+        q, c, bt, meta.seq_lens, meta.query_start_loc, out, part_acc, part_m, part_l,
+        scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3), bt.stride(0),
+        out.stride(0), out.stride(1),
+        HQ=HQ, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
+        DIRECT=num_splits == 1, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or _stages(DECODE_NUM_STAGES, q.dtype),
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(B, HQ)](
+            part_acc, part_m, part_l, meta.query_start_loc, out, num_splits, out.stride(0), out.stride(1),
+            HQ=HQ, D=D, D_PAD=D_PAD, S_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Prefill / chunked prefill / mixed batches: variable query lengths, causal, all keys read from the cache
+# --------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_seqs"])  # a batch of one must not turn the search bound into a constant
+def _prefill_kernel(
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    # Sequence b owns programs [qsl[b] // BLOCK_Q + b, qsl[b+1] // BLOCK_Q + b + 1): find b by binary search
+    # on device, so the grid size (T // BLOCK_Q + B) needs host ints only.
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    b = lo - 1
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + b)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_len = seq_len - q_len  # tokens cached by earlier steps
+
+    # Rows pack (query token, query head of this KV head): token-major, so KV is read once per KV head.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < D
+    tok = q_block * BLOCK_Q + offs_m // G
+    head = kvh * G + offs_m % G
+    row_mask = (offs_m < BLOCK_Q * G) & (tok < q_len)
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, D_PAD)
+    q_pos = ctx_len + tok  # context position of each row's token
+
+    # Causal: nothing past the last query token of this block is needed.
+    kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    kv_base = cache_ptr + kvh * stride_ch
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < kv_end
+        blk = tl.load(bt_row + pos // BS, mask=n_mask, other=0).to(tl.int64)
+        tok_off = blk * stride_cb + (pos % BS) * stride_cs
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
+        # Every row sees position 0 in the first tile, so its running max is finite from then on.
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(kv_base + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(q, kv_cache_layer, meta, scale, out=None, *, block_m=None, block_n=None,
+                      num_warps=None, num_stages=None):
+    """Paged causal attention for variable query lengths (prefill, chunked prefill, mixed batches)."""
+    T, HQ, D = q.shape
+    _, _, BS, HKV, _ = kv_cache_layer.shape
+    B = meta.seq_lens.shape[0]
+    G = HQ // HKV
+    if out is None:
+        out = _alloc((T, HQ, D), q.dtype, q.device)
+    if B == 0 or T == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_m = max(block_m or PREFILL_BLOCK_M, triton.next_power_of_2(G))
+    block_q = block_m // G
+    c = kv_cache_layer
+    bt = meta.block_tables
+    grid = (T // block_q + B, HKV)
+    _prefill_kernel[grid](
+        q, c, bt, meta.seq_lens, meta.query_start_loc, out, scale * _LOG2E, B,
+        q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3), bt.stride(0),
+        out.stride(0), out.stride(1),
+        G=G, D=D, D_PAD=max(16, triton.next_power_of_2(D)), BS=BS,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n or PREFILL_BLOCK_N, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=num_warps or PREFILL_NUM_WARPS, num_stages=num_stages or _stages(PREFILL_NUM_STAGES, q.dtype),
+    )
+    return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor,
+                    meta, scale: float) -> torch.Tensor:
+    """Write k/v (T, Hkv, D) into the paged cache, then attend q (T, Hq, D) causally; returns (T, Hq, D)."""
+    if q.shape[1] % kv_cache_layer.shape[3]:
+        raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({kv_cache_layer.shape[3]})")
+    write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping)
+    if int(meta.max_query_len) == 1:
+        return decode_attention(q, kv_cache_layer, meta, scale)
+    return prefill_attention(q, kv_cache_layer, meta, scale)

@@ -1,0 +1,176 @@
+"""Fused element-wise layers for CUDA in the Triton language: RMSNorm, residual add + RMSNorm, RoPE, SiLU-and-mul."""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
+    raise ImportError("backend.ops.triton_layers needs the `triton` package") from exc
+
+__all__ = ["rms_norm", "add_rms_norm", "apply_rope", "silu_and_mul"]
+
+
+def _alloc(shape, dtype, device):
+    """Fresh, uninitialised buffer; one indirection so tests can poison every new output."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(…, N) → (R, N) with unit stride along N (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _row_warps(block: int) -> int:
+    # about 16 bytes (8 bf16) per thread per load; more warps for wide rows keep registers low
+    return max(1, min(16, block // 256))
+
+
+# --------------------------------------------------------------------------------------------------------
+# RMSNorm, optionally fused with the residual add (one read of x and residual, one write of each output)
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        # rounded to the sum's dtype before the norm, as `hidden = hidden + residual` does in torch
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / N
+    # HF LlamaRMSNorm: normalise in fp32, cast back to the input dtype, then multiply by the weight
+    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, numerics of HF LlamaRMSNorm (fp32 compute, cast, times weight)."""
+    shape = x.shape
+    x2 = _rows(x)
+    R, N = x2.shape
+    out = _alloc((R, N), torch.promote_types(x.dtype, weight.dtype), x.device)
+    if R:
+        block = triton.next_power_of_2(N)
+        _rms_norm_kernel[(R,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, float(eps),
+                               N=N, BLOCK=block, HAS_RES=False, num_warps=_row_warps(block))
+    return out.view(shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Fused residual add + RMSNorm: returns (rms_norm(x + residual), x + residual)."""
+    shape = x.shape
+    x2 = _rows(x)
+    r2 = _rows(residual)
+    R, N = x2.shape
+    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    total = _alloc((R, N), sum_dtype, x.device)
+    out = _alloc((R, N), torch.promote_types(sum_dtype, weight.dtype), x.device)
+    if R:
+        block = triton.next_power_of_2(N)
+        _rms_norm_kernel[(R,)](x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0),
+                               total.stride(0), float(eps), N=N, BLOCK=block, HAS_RES=True,
+                               num_warps=_row_warps(block))
+    return out.view(shape), total.view(shape)
+
+
+# --------------------------------------------------------------------------------------------------------
+# RoPE (neox / HF rotate_half): q and k of one token in one program, one launch for both
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _rope_rotate(src_ptr, dst_ptr, t, stride_t, stride_h, stride_ot, stride_oh, cos, sin, offs_j, j_mask,
+                 H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr):
+    offs_h = tl.arange(0, H_PAD)
+    mask = (offs_h < H)[:, None] & j_mask[None, :]
+    src = src_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_j[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = dst_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_j[None, :]
+    ty = dst_ptr.dtype.element_ty
+    # HF (and the torch path) cast cos/sin to the activations' dtype before rotating: same rounding here
+    cos = cos.to(ty).to(tl.float32)
+    sin = sin.to(ty).to(tl.float32)
+    tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, pos_ptr, cs_ptr, qo_ptr, ko_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+    HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_j = tl.arange(0, HALF_PAD)
+    j_mask = offs_j < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs_j, mask=j_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_j, mask=j_mask, other=0.0).to(tl.float32)
+    _rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
+                 HQ, HQ_PAD, HALF)
+    _rope_rotate(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin, offs_j, j_mask,
+                 HK, HK_PAD, HALF)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """Rotary embedding, neox style: q (T,Hq,D), k (T,Hkv,D), positions (T,), cache (max_pos, D) = [cos | sin].
+
+    Out of place (q and k, often views of one fused qkv output, are left untouched); returns (q, k)."""
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    q_out = _alloc((T, HQ, D), q.dtype, q.device)
+    k_out = _alloc((T, HK, D), k.dtype, k.device)
+    if T:
+        half = D // 2
+        _rope_kernel[(T,)](
+            q, k, positions, cs, q_out, k_out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
+            k_out.stride(0), k_out.stride(1), cs.stride(0),
+            HQ=HQ, HK=HK, HQ_PAD=triton.next_power_of_2(HQ), HK_PAD=triton.next_power_of_2(HK),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+        )
+    return q_out, k_out
+
+
+# --------------------------------------------------------------------------------------------------------
+# SiLU(gate) * up over the fused gate_up projection output
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(…, 2I) → (…, I): silu(x[..., :I]) * x[..., I:] (gate first, as in the fused gate_up weight)."""
+    shape = x.shape
+    x2 = _rows(x)
+    R, two_i = x2.shape
+    I = two_i // 2
+    out = _alloc((R, I), x.dtype, x.device)
+    if R and I:
+        block = min(2048, triton.next_power_of_2(I))
+        _silu_and_mul_kernel[(R, triton.cdiv(I, block))](x2, out, x2.stride(0), out.stride(0), I,
+                                                        BLOCK=block, num_warps=_row_warps(block))
+    return out.view(*shape[:-1], I)

@@ -1,0 +1,411 @@
+"""Triton-language kernels (backend/ops/triton_*.py) against float64 references on random inputs.
+
+Tolerances are norm-wise, ‖out − ref‖ / ‖ref‖:
+- fp32: 1e-4. The kernels compute in fp32 with IEEE dots (no tf32), so only summation order differs (~1e-6).
+- bf16 / fp16: 1e-2. The inputs are already rounded (the reference uses the same rounded values), but the
+  kernel rounds the softmax probabilities to the input dtype before the P·V product (as every flash kernel
+  does, for the tensor cores) and rounds its output once: bf16 has an 8-bit mantissa, 2^-8 ≈ 4e-3 per
+  element, which averages down in the norm to a few 1e-3.
+Every output buffer the kernels allocate is filled with NaN first (the `_alloc` hook), and every cache slot
+that holds no context is NaN too, so an unwritten output or a read past a sequence shows up as NaN.
+
+On the GPU machine: `python3 -m pytest tests/gpu/test_kernels.py -q`. On a CPU, through Triton's interpreter
+(small sizes): `TRITON_INTERPRET=1 TANDEM_TEST_DEVICE=cpu pytest --noconftest tests/gpu/test_kernels.py`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+triton = pytest.importorskip("triton")
+
+from backend.ops import triton_attention as ta  # noqa: E402
+from backend.ops import triton_layers as tly  # noqa: E402
+
+DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cuda")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_CTX = 400 if INTERPRET else 16384  # the interpreter runs every program in numpy: keep it small there
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# The interpreter rounds fp32 → bf16 toward zero (the GPU rounds to nearest even): bit-exact bf16 checks
+# against torch hold on the GPU only.
+EXACT_BF16 = not INTERPRET
+
+
+@dataclass
+class Meta:
+    """The fields of backend.ops.attention.AttentionMetadata the kernels read (duck-typed)."""
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+def _poison(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    monkeypatch.setattr(ta, "_alloc", _poison)
+    monkeypatch.setattr(tly, "_alloc", _poison)
+
+
+@pytest.fixture(autouse=True)
+def interpreter_bf16_dot(monkeypatch):
+    """Triton's interpreter (3.9) multiplies bf16 dot operands as their raw uint16 bits: widen them first."""
+    if not INTERPRET:
+        return
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    builder = type(interp.interpreter_builder)
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widen(x):
+            if x.dtype.scalar == triton.language.bfloat16:
+                bits = x.data.astype(np.uint32) << 16
+                return interp.TensorHandle(bits.view(np.float32), triton.language.float32)
+            return x
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(builder, "create_dot", create_dot)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double().cpu()
+    ref = ref.double().cpu()
+    assert not torch.isnan(out).any(), "NaN in output (unwritten element or out-of-range read)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------------------
+# attention
+# ------------------------------------------------------------------------------------------------------
+class Case:
+    """A random paged batch: sequences (ctx_before, q_len), shuffled non-contiguous blocks, NaN elsewhere."""
+
+    def __init__(self, seqs, hq, hkv, d, bs, dtype, seed, extra_blocks=7):
+        dev = DEVICE
+        g = torch.Generator(device=dev).manual_seed(seed)  # drawn on the device: 16K contexts are large
+        rng = random.Random(seed)
+        self.seqs, self.hq, self.hkv, self.d, self.bs, self.dtype = seqs, hq, hkv, d, bs, dtype
+        lens = [c + n for c, n in seqs]
+        nblk = [math.ceil(n / bs) for n in lens]
+        num_blocks = 1 + sum(nblk) + extra_blocks  # block 0 is the padding block, never handed out
+        ids = list(range(1, num_blocks))
+        rng.shuffle(ids)
+        max_blocks = max(nblk) + 2
+        bt = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        self.k_all, self.v_all = [], []
+        cache = torch.full((2, num_blocks, bs, hkv, d), float("nan"), dtype=dtype, device=dev)
+        slots, q_rows, k_new, v_new = [], [], [], []
+        for b, ((ctx, qn), n) in enumerate(zip(seqs, lens)):
+            blocks = [ids.pop() for _ in range(nblk[b])]
+            bt[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            kk = torch.randn(n, hkv, d, generator=g, device=dev).to(dtype)
+            vv = torch.randn(n, hkv, d, generator=g, device=dev).to(dtype)
+            self.k_all.append(kk)
+            self.v_all.append(vv)
+            p = torch.arange(n)
+            pos_slots = (torch.tensor(blocks, dtype=torch.int64)[p // bs] * bs + p % bs).to(dev)
+            flat = cache.view(2, num_blocks * bs, hkv, d)
+            flat[0, pos_slots[:ctx]] = kk[:ctx]  # earlier steps' tokens are already in the cache
+            flat[1, pos_slots[:ctx]] = vv[:ctx]
+            slots.append(pos_slots[ctx:])
+            k_new.append(kk[ctx:])
+            v_new.append(vv[ctx:])
+            q_rows.append(torch.randn(qn, hq, d, generator=g, device=dev).to(dtype))
+        qsl = [0]
+        for _, qn in seqs:
+            qsl.append(qsl[-1] + qn)
+        self.cache = cache
+        self.q = torch.cat(q_rows)
+        self.k = torch.cat(k_new)
+        self.v = torch.cat(v_new)
+        self.meta = Meta(
+            slot_mapping=torch.cat(slots).to(dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=bt.to(dev),
+            max_query_len=max(qn for _, qn in seqs),
+            max_seq_len=max(lens),
+        )
+        self.scale = d ** -0.5
+
+    def reference(self) -> torch.Tensor:
+        """float64 causal attention over each sequence's full K/V (from the truth, not from the cache)."""
+        outs = []
+        grp = self.hq // self.hkv
+        for b, (ctx, qn) in enumerate(self.seqs):
+            q = self.q[self.meta.query_start_loc[b]: self.meta.query_start_loc[b] + qn].double()
+            k = self.k_all[b].double().repeat_interleave(grp, dim=1)  # (L, Hq, D)
+            v = self.v_all[b].double().repeat_interleave(grp, dim=1)
+            s = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            qpos = torch.arange(ctx, ctx + qn, device=q.device)[:, None]
+            kpos = torch.arange(ctx + qn, device=q.device)[None, :]
+            s = s.masked_fill(kpos > qpos, float("-inf"))
+            outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
+        return torch.cat(outs)
+
+    def check_cache_written(self):
+        flat = self.cache.view(2, -1, self.hkv, self.d)[:, self.meta.slot_mapping]
+        assert torch.equal(flat[0], self.k) and torch.equal(flat[1], self.v)
+
+
+def _contexts(n, rng, max_ctx):
+    """n context lengths from 1 to max_ctx, always including the two ends."""
+    picks = [1, max_ctx] + [rng.randint(1, max_ctx) for _ in range(max(0, n - 2))]
+    return picks[:n]
+
+
+DECODE_CASES = [  # (hq, hkv, head_dim, block_size, dtype)
+    (8, 8, 128, 16, torch.float32),
+    (32, 8, 128, 16, torch.float32),
+    (32, 4, 64, 16, torch.float32),
+    (8, 8, 64, 32, torch.bfloat16),
+    (32, 8, 128, 16, torch.bfloat16),
+    (32, 4, 128, 32, torch.bfloat16),
+    (9, 3, 64, 16, torch.bfloat16),  # SmolLM2-135M: group of 3, not a power of two
+    (16, 4, 128, 16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype", DECODE_CASES)
+def test_decode(hq, hkv, d, bs, dtype):
+    rng = random.Random(hq * 1000 + d + bs)
+    ctx_lens = _contexts(6, rng, MAX_CTX)
+    case = Case([(c - 1, 1) for c in ctx_lens], hq, hkv, d, bs, dtype, seed=rng.randint(0, 10**6))
+    out = ta.paged_attention(case.q, case.k, case.v, case.cache, case.meta, case.scale)
+    case.check_cache_written()
+    assert out.shape == case.q.shape and out.dtype == dtype
+    assert rel_err(out, case.reference()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_splits(num_splits, dtype):
+    """Every split count gives the same answer, including splits that get no tiles of a short sequence."""
+    ctx_lens = [1, 2, 70, MAX_CTX // 3, MAX_CTX]
+    case = Case([(c - 1, 1) for c in ctx_lens], 16, 2, 128, 16, dtype, seed=num_splits)
+    ta.write_kv_cache(case.k, case.v, case.cache, case.meta.slot_mapping)
+    out = ta.decode_attention(case.q, case.cache, case.meta, case.scale, num_splits=num_splits)
+    assert rel_err(out, case.reference()) < TOL[dtype]
+
+
+PREFILL_CASES = [  # (hq, hkv, head_dim, block_size, dtype)
+    (8, 8, 128, 16, torch.float32),
+    (32, 8, 128, 16, torch.float32),
+    (32, 4, 64, 32, torch.float32),
+    (32, 8, 128, 16, torch.bfloat16),
+    (9, 3, 64, 16, torch.bfloat16),
+    (16, 2, 64, 32, torch.float16),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype", PREFILL_CASES)
+def test_chunked_prefill(hq, hkv, d, bs, dtype):
+    """Mixed step: fresh prompts, later chunks of long prompts (earlier chunks read from the cache), decodes."""
+    rng = random.Random(hq * 7 + d + bs)
+    big = MAX_CTX // 2 if INTERPRET else 2048
+    seqs = [
+        (0, rng.randint(2, big // 4)),               # whole prompt in one step
+        (rng.randint(1, big), rng.randint(1, 200)),  # a later chunk
+        (rng.randint(1, MAX_CTX - 1), 1),            # a decode in the same step
+        (0, 1),                                      # a one-token prompt
+        (rng.randint(1, big), rng.randint(30, 90)),
+        (0, 37),
+    ]
+    case = Case(seqs, hq, hkv, d, bs, dtype, seed=rng.randint(0, 10**6))
+    out = ta.paged_attention(case.q, case.k, case.v, case.cache, case.meta, case.scale)
+    case.check_cache_written()
+    assert rel_err(out, case.reference()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_torch_path(dtype):
+    """Same inputs through backend.ops.attention (the plain-torch path) and the Triton path: same answer."""
+    from backend.ops import attention as torch_attention
+
+    rng = random.Random(3)
+    seqs = [(0, 45), (rng.randint(1, 600), 70), (rng.randint(1, 900), 1), (0, 1)]
+    case = Case(seqs, 32, 8, 128, 16, dtype, seed=3)
+    m = case.meta
+    meta = torch_attention.AttentionMetadata(m.slot_mapping, m.query_start_loc, m.seq_lens, m.block_tables,
+                                             m.max_query_len, m.max_seq_len)
+    ref = torch_attention.paged_attention(case.q, case.k, case.v, case.cache.clone(), meta, case.scale)
+    out = ta.paged_attention(case.q, case.k, case.v, case.cache, meta, case.scale)
+    assert rel_err(out, ref) < TOL[dtype]
+    assert rel_err(out, case.reference()) < TOL[dtype]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_cuda_graph(dtype):
+    """Capture one decode step with static buffers, then replay it on two fresh batches (with padding rows)."""
+    hq, hkv, d, bs, batch, bound = 32, 8, 128, 16, 12, 8192
+    rng = random.Random(5)
+    first = Case([(c - 1, 1) for c in _contexts(batch, rng, bound)], hq, hkv, d, bs, dtype, seed=1)
+    nb_static = 1 + batch * (bound // bs + 1) + 8  # room for any case of this batch under the bound
+    max_blocks = bound // bs + 2
+
+    def staged(case, real):
+        """Copy a case into static-shaped tensors; rows >= real are padding (seq_len 1, block 0)."""
+        cache = torch.full((2, nb_static, bs, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+        cache[:, : case.cache.shape[1]] = case.cache
+        bt = torch.zeros(batch, max_blocks, dtype=torch.int32, device=DEVICE)
+        bt[:real, : case.meta.block_tables.shape[1]] = case.meta.block_tables[:real]
+        seq_lens = torch.ones(batch, dtype=torch.int32, device=DEVICE)
+        seq_lens[:real] = case.meta.seq_lens[:real]
+        slots = torch.arange(batch, dtype=torch.int64, device=DEVICE) % bs  # padding writes into block 0
+        slots[:real] = case.meta.slot_mapping[:real]
+        return cache, bt, seq_lens, slots
+
+    cache, bt, seq_lens, slots = staged(first, batch)
+    q, k, v = first.q.clone(), first.k.clone(), first.v.clone()
+    meta = Meta(slots, torch.arange(batch + 1, dtype=torch.int32, device=DEVICE), seq_lens, bt, 1, bound)
+    for _ in range(2):  # compile and warm up outside the capture
+        ta.paged_attention(q, k, v, cache, meta, first.scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ta.paged_attention(q, k, v, cache, meta, first.scale)
+
+    for seed, real in ((11, batch), (12, batch - 3)):
+        ctxs = _contexts(real, random.Random(seed), bound)
+        case = Case([(c - 1, 1) for c in ctxs], hq, hkv, d, bs, dtype, seed=seed)
+        c2, bt2, sl2, slots2 = staged(case, real)
+        cache.copy_(c2)
+        bt.copy_(bt2)
+        seq_lens.copy_(sl2)
+        slots.copy_(slots2)
+        q[:real].copy_(case.q)
+        k[:real].copy_(case.k)
+        v[:real].copy_(case.v)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out[:real], case.reference()) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------------------
+# layers
+# ------------------------------------------------------------------------------------------------------
+LAYER_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _hf_rms_norm(x, w, eps):
+    """HF LlamaRMSNorm in the input dtype: the exact semantics the kernel follows."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * y.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("hidden", [576, 4096])
+def test_rms_norm(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(37, hidden, generator=g) * 3).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
+    out = tly.rms_norm(x, w, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    ref64 = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert rel_err(out, ref64) < TOL[dtype]
+    if dtype == torch.float32 or EXACT_BF16:
+        assert rel_err(out, _hf_rms_norm(x, w, 1e-5)) < (1e-6 if dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("hidden", [576, 4096])
+def test_add_rms_norm(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden + 1)
+    x = torch.randn(3, 11, hidden, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(3, 11, hidden, generator=g).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
+    normed, total = tly.add_rms_norm(x, r, w, 1e-6)
+    assert normed.shape == x.shape and total.shape == x.shape
+    if dtype == torch.float32 or EXACT_BF16:
+        assert torch.equal(total, x + r)  # the sum is rounded exactly as torch rounds it
+        assert rel_err(normed, _hf_rms_norm(x + r, w, 1e-6)) < (1e-6 if dtype == torch.float32 else 4e-3)
+    s64 = x.double() + r.double()
+    ref64 = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert rel_err(normed, ref64) < TOL[dtype]
+
+
+def _cos_sin_cache(max_pos, d, base=10000.0):
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    f = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([f.cos(), f.sin()], dim=-1).float()  # (max_pos, d): [cos | sin]
+
+
+def _rope_ref(x, pos, cache):
+    """HF rotate_half style in float64."""
+    d = x.shape[-1]
+    cs = cache.double().cpu()[pos.cpu()]
+    cos = torch.cat([cs[:, : d // 2]] * 2, -1)[:, None, :]
+    sin = torch.cat([cs[:, d // 2:]] * 2, -1)[:, None, :]
+    x = x.double().cpu()
+    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * cos + rot * sin
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64)])
+def test_apply_rope(dtype, hq, hkv, d):
+    g = torch.Generator().manual_seed(hq + d)
+    T = 29
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEVICE)
+    q = qkv[:, : hq * d].view(T, hq, d)  # strided views of a fused qkv output, as the model passes them
+    k = qkv[:, hq * d: (hq + hkv) * d].view(T, hkv, d)
+    q0, k0 = q.clone(), k.clone()
+    cache = _cos_sin_cache(8192, d).to(DEVICE)
+    pos = torch.randint(0, 8192, (T,), generator=g).to(DEVICE)
+    qo, ko = tly.apply_rope(q, k, pos, cache)
+    assert torch.equal(q, q0) and torch.equal(k, k0)  # out of place
+    assert rel_err(qo, _rope_ref(q, pos, cache)) < TOL[dtype]
+    assert rel_err(ko, _rope_ref(k, pos, cache)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+def test_layers_match_torch_path(dtype):
+    """backend.ops.layers (the plain-torch path) and the Triton layers agree on the same inputs."""
+    from backend.ops import layers as torch_layers
+
+    g = torch.Generator().manual_seed(7)
+    T, hq, hkv, d, hidden, inter = 13, 9, 3, 64, 576, 1536
+    x = torch.randn(T, hidden, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(T, hidden, generator=g).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
+    q = torch.randn(T, hq, d, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(T, hkv, d, generator=g).to(dtype).to(DEVICE)
+    pos = torch.randint(0, 2048, (T,), generator=g).to(DEVICE)
+    cache = _cos_sin_cache(2048, d).to(DEVICE)
+    gu = torch.randn(T, 2 * inter, generator=g).to(dtype).to(DEVICE)
+    tol = 1e-5 if dtype == torch.float32 else (8e-3 if EXACT_BF16 else 2e-2)
+    assert rel_err(tly.rms_norm(x, w, 1e-5), torch_layers.rms_norm(x, w, 1e-5)) < tol
+    for a_, b_ in zip(tly.add_rms_norm(x, r, w, 1e-5), torch_layers.add_rms_norm(x, r, w, 1e-5)):
+        assert rel_err(a_, b_) < tol
+    for a_, b_ in zip(tly.apply_rope(q, k, pos, cache), torch_layers.apply_rope(q, k, pos, cache)):
+        assert rel_err(a_, b_) < tol
+    assert rel_err(tly.silu_and_mul(gu), torch_layers.silu_and_mul(gu)) < tol
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("inter", [1536, 14336, 100])
+def test_silu_and_mul(dtype, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = torch.randn(2, 9, 2 * inter, generator=g).to(dtype).to(DEVICE)
+    out = tly.silu_and_mul(x)
+    assert out.shape == (2, 9, inter)
+    xd = x.double()
+    ref = torch.nn.functional.silu(xd[..., :inter]) * xd[..., inter:]
+    assert rel_err(out, ref) < TOL[dtype]
