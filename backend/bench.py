@@ -129,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", default=None, help="file stem for timeline PNG + Chrome trace per run")
     ap.add_argument("--new-tokens", type=int, default=None, help="override the workload's new tokens")
     ap.add_argument("--requests", default=None, help="override concurrent requests, e.g. 64 or 64,256")
+    ap.add_argument("--compare-new-tokens", type=int, default=None,
+                    help="new tokens for the transformers runs (default: the workload's); tok/s is quoted")
     args = ap.parse_args(argv)
     if args.workload == "microbench":
         from .ops import microbench
@@ -149,7 +151,9 @@ def main(argv=None) -> int:
         if args.compare == "transformers":
             from .bench_transformers import run_transformers
 
-            for r in run_transformers(wl, n, make_prompts(n, wl.prompt_len, 250), args.device or wl.device):
+            hf_wl = Workload(wl.model, wl.requests, wl.prompt_len, args.compare_new_tokens or wl.new_tokens)
+            for r in run_transformers(hf_wl, n, make_prompts(n, wl.prompt_len, 250), args.device or wl.device):
+                r["new_tokens"] = hf_wl.new_tokens
                 rows.append(dict(engine="transformers", requests=n, **r))
                 print(_row(rows[-1]), flush=True)
     out = dict(workload=args.workload, model=wl.model, new_tokens=wl.new_tokens, runs=rows)

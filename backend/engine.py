@@ -77,6 +77,12 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, sink=None) -> RequestStream | None:
         """Queue a request; returns a stream of its outputs, or None when a sink receives them."""
+        req, stream = self._prepare(prompt, params, request_id, sink)
+        self._inbox.put(("add", [req]))
+        return stream
+
+    def _prepare(self, prompt, params, request_id, sink) -> tuple[Request, RequestStream | None]:
+        """Validate and register a request (caller thread); the loop learns of it from the inbox."""
         if not self.healthy:
             raise EngineDead("the engine is not running")
         params = params or SamplingParams()
@@ -99,8 +105,7 @@ class Engine:
             stream = RequestStream(request_id, self)
             sink = stream.queue
         self.outputs.register(req, sink)
-        self._inbox.put(("add", req))
-        return stream
+        return req, stream
 
     def abort(self, request_id: str) -> None:
         """Stop a request; it gets a final output with finish_reason 'abort' (no-op if already done)."""
@@ -115,16 +120,16 @@ class Engine:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
         sink: queue.SimpleQueue = queue.SimpleQueue()
-        ids = []
+        reqs: list[Request] = []
         try:
             for prompt, p in zip(prompts, plist):
-                rid = f"gen-{next(self._id_counter)}"
-                self.add_request(prompt, p, request_id=rid, sink=sink)
-                ids.append(rid)
+                reqs.append(self._prepare(prompt, p, f"gen-{next(self._id_counter)}", sink)[0])
         except Exception:
-            for rid in ids:
-                self.abort(rid)
+            for req in reqs:
+                self.outputs.discard(req.request_id)
             raise
+        self._inbox.put(("add", reqs))  # all at once: they start in the same step
+        ids = [r.request_id for r in reqs]
         finals: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):
             out = sink.get()
@@ -291,8 +296,9 @@ class Engine:
         while True:
             kind, a, b = item if len(item) == 3 else (item[0], item[1], None)
             if kind == "add":
-                self._requests[a.request_id] = a
-                self.scheduler.add(a)
+                for req in a:
+                    self._requests[req.request_id] = req
+                    self.scheduler.add(req)
             elif kind == "abort":
                 req = self._requests.get(a)
                 if req is not None:
@@ -357,7 +363,7 @@ class Engine:
             except queue.Empty:
                 break
             if item[0] == "add":
-                self.outputs.push([StepEvent(item[1].request_id, None, None, reason, message)])
+                self.outputs.push([StepEvent(r.request_id, None, None, reason, message) for r in item[1]])
         self._refresh_stats()
 
     def _refresh_stats(self) -> None:

@@ -55,6 +55,10 @@ class OutputProcessor:
         with self._lock:
             self._states[req.request_id] = state
 
+    def discard(self, request_id: str) -> None:
+        """Forget a registered request that never reached the engine."""
+        self._release(request_id)
+
     def push(self, events: list[StepEvent]) -> None:
         self._queue.put(events)
 
