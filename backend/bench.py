@@ -5,6 +5,7 @@ Prints its settings, a table, and one JSON line of results. Workloads are those 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -89,7 +90,8 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
         result = dict(mode="async" if async_pipeline else "sync", requests=n, wall_s=round(wall, 3),
                       tok_per_s=round(tokens / wall, 1), output_tokens=tokens,
                       gpu_busy=round(summary["gpu_busy_fraction"], 4),
-                      cpu_us_per_step=round(summary["cpu_us_per_step"], 1), steps=summary["steps"])
+                      cpu_us_per_step=round(summary["cpu_us_per_step"], 1), steps=summary["steps"],
+                      preemptions=engine.stats()["preemptions"])
         if wl.model == "stand-in":
             from .standin import expected_tokens
 
@@ -105,6 +107,10 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
         return result
     finally:
         engine.shutdown()
+        del engine
+        gc.collect()  # why: the next run sizes its KV cache from free memory; this one's must be gone
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def roofline_seconds(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
@@ -129,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", default=None, help="file stem for timeline PNG + Chrome trace per run")
     ap.add_argument("--new-tokens", type=int, default=None, help="override the workload's new tokens")
     ap.add_argument("--requests", default=None, help="override concurrent requests, e.g. 64 or 64,256")
+    ap.add_argument("--profile", action="store_true", help="cProfile the engine thread; print the top functions")
     ap.add_argument("--compare-new-tokens", type=int, default=None,
                     help="new tokens for the transformers runs (default: the workload's); tok/s is quoted")
     args = ap.parse_args(argv)
@@ -137,6 +144,8 @@ def main(argv=None) -> int:
 
         return microbench.main([])
     wl = WORKLOADS[args.workload]
+    if args.profile:
+        _profile_engine_thread()
     if args.new_tokens:
         wl.new_tokens = args.new_tokens
     if args.requests:
@@ -166,9 +175,28 @@ def main(argv=None) -> int:
     return 0
 
 
+def _profile_engine_thread() -> None:
+    """Wrap the engine loop in cProfile; the top functions are printed when each engine stops."""
+    import cProfile
+    import pstats
+
+    original = Engine._run
+
+    def run(self):
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            original(self)
+        finally:
+            prof.disable()
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+
+    Engine._run = run
+
+
 def _row(r: dict) -> str:
     keys = ["engine", "mode", "requests", "wall_s", "tok_per_s", "gpu_busy", "cpu_us_per_step", "roofline",
-            "peak_mem_gb", "all_tokens_exact"]
+            "peak_mem_gb", "steps", "preemptions", "all_tokens_exact"]
     return "  ".join(f"{k}={r[k]}" for k in keys if k in r)
 
 

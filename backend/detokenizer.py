@@ -7,7 +7,8 @@ from backend.request import SamplingParams
 
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 _PROMPT_CONTEXT = 5  # prompt tokens decoded in front of the output, so the first token keeps its spacing
-_TRIM_AFTER = 256  # drop window ids older than this, so the id list stays short
+_TRIM_AFTER = 256
+_MAX_CHAR_TOKENS = 16  # past this many tokens the trailing bytes are invalid, not a partial character: emit  # drop window ids older than this, so the id list stays short
 
 
 class IncrementalDetokenizer:
@@ -108,8 +109,10 @@ class IncrementalDetokenizer:
     def _advance(self, prefix_text: str, full_text: str, final: bool) -> str:
         if self._read_offset >= len(self._window):
             return ""
-        if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT)):
-            return ""  # wait for the rest of a multi-byte character
+        pending = len(self._window) - self._read_offset
+        if not final and pending <= _MAX_CHAR_TOKENS and (
+                len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT)):
+            return ""  # wait for the rest of a multi-byte character (bounded, so invalid bytes cannot grow the window)
         self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
         if self._prefix_offset > _TRIM_AFTER:
             del self._window[: self._prefix_offset]

@@ -56,6 +56,7 @@ class Engine:
         self._waiting_count = 0  # approximate, for the bounded queue (updated under _ids_lock)
         self._id_counter = itertools.count()
         self._stopping = False
+        self._shut_down = False
         self._healthy = True
         self._consecutive_faults = 0
         self._inflight: StepState | None = None
@@ -147,13 +148,22 @@ class Engine:
         self._inbox.put(("timeline", enabled, None))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop; every unfinished request gets a final output with finish_reason 'abort'."""
-        if self._stopping:
+        """Stop the loop; every unfinished request gets a final output with finish_reason 'abort'.
+
+        The model, KV cache and graphs are released, so another engine can take the device's memory.
+        """
+        if self._shut_down:
             return
+        self._shut_down = True
         self._stopping = True
         self._inbox.put(("stop", None, None))
         self._thread.join(timeout)
         self.outputs.close()
+        if not self._thread.is_alive():
+            self.runner.release()
+            self.parts.model = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     # ---- input checks (caller thread) ------------------------------------------------------------
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:

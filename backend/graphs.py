@@ -1,6 +1,6 @@
 """CUDA graphs for decode steps: one per batch-size bucket and slot, all drawing on one memory pool.
 
-A graph holds carry-over + forward + logits. It reads its slot's device inputs and the other slot's
+A graph holds carry-over + forward + logits + the greedy pick. It reads its slot's device inputs and the other slot's
 sampled tokens at fixed addresses, and writes logits into one buffer outside the pool, so each graph's
 intermediates can be freed back to the shared pool after capture: N and N+1 never run at once, so the
 two slots' graphs cost about one graph's memory. Prefill and mixed steps run eagerly: their token counts
@@ -65,7 +65,9 @@ class DecodeGraphs:
         width = r.layout.max_blocks
         meta = r.metadata(slot, bucket, bucket, width, 1, width * r.block_size)
         hidden = r.model(ids, slot.dev["positions"][:bucket], r.kv_cache, meta)  # (bucket, H)
-        self.logits[:bucket].copy_(r.model.compute_logits(hidden))  # (bucket, V) outside the pool
+        logits = r.model.compute_logits(hidden)  # (bucket, V)
+        self.logits[:bucket].copy_(logits)  # outside the pool: read by the eager sampler when one runs
+        slot.out_tokens[:bucket].copy_(logits.argmax(dim=-1))  # greedy tokens, final for all-greedy steps
 
     def _capture(self, slot, prev_slot, bucket: int) -> None:
         stream = self.runner.pipeline.compute_stream

@@ -59,6 +59,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, max_graph_batch)
             self.graphs.capture_all()
 
+    def release(self) -> None:
+        """Drop the device memory this runner holds (the engine has stopped)."""
+        self.graphs = None
+        self.kv_cache = None
+        self.model = None
+
     # ---- packing (CPU) ---------------------------------------------------------------------------
     def pack(self, batch: ScheduledBatch, prev: StepState | None) -> StepState:
         """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
@@ -171,6 +177,8 @@ class ModelRunner:
                                              len(st.sampled))
             if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
                 return 0
+            if bucket is not None and banned is None and sampling.all_greedy and sampling.num_logprobs < 0:
+                return rows  # the graph already wrote the greedy tokens into this slot's outputs
             if banned is not None:
                 logits[banned] = float("-inf")  # min_tokens: no stop token before the minimum
             if sampling.any_penalty:

@@ -146,3 +146,17 @@ def test_overlapping_stop_prefix_is_held_exactly(tokenizer):
     assert "".join(deltas) == "x" and detok.finish() == "aba"
     deltas, detok = stream(tokenizer, "xababy", SamplingParams(stop=["abab"]))
     assert "".join(deltas) == "x" and detok.stopped
+
+
+def test_invalid_bytes_do_not_grow_the_window():
+    """A model that emits invalid UTF-8 (lone continuation bytes) must not make each step decode all history."""
+    from backend.models.random_model import byte_tokenizer
+
+    tok = byte_tokenizer()
+    detok = IncrementalDetokenizer(tok, [104, 105], SamplingParams())
+    text = ""
+    for _ in range(300):
+        text += detok.add_tokens([0x80])
+        assert len(detok.windows()[1]) <= 40
+    text += detok.finish()
+    assert text.count("\ufffd") == 300

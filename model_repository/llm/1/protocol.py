@@ -1,0 +1,165 @@
+"""Triton request tensors → a validated GenerateRequest; engine updates → response tensors (vLLM-backend names)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import numpy as np
+
+from backend.request import SamplingParams
+
+RETURN_FLAGS = (
+    "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
+    "return_output_ids",
+)
+_INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
+_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
+_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
+
+GetInput = Callable[[str], "np.ndarray | None"]
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One parsed generate request: the prompt, how to sample, and what to send back."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool
+    prepend_input: bool  # non-streaming only: the prompt text comes first in text_output
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_logprobs: bool = False
+    return_output_ids: bool = False
+
+
+def parse_request(get_input: GetInput, request_parameters: str | None) -> GenerateRequest:
+    """Raise ValueError naming the field at fault; `get_input(name)` returns the tensor as numpy or None."""
+    prompt = _prompt(get_input)
+    stream = _flag(get_input, "stream", False)
+    exclude = _flag(get_input, "exclude_input_in_output", None)
+    # vLLM backend: non-streaming output includes the prompt unless excluded; streams never do.
+    if stream and exclude is False:
+        raise ValueError("exclude_input_in_output: false is not allowed when streaming (stream: true)")
+    prepend = (not stream) and exclude is not True
+    params = sampling_params(_json_object(request_parameters, "parameters"), _sampling_tensor(get_input))
+    flags = {name: bool(_flag(get_input, name, False)) for name in RETURN_FLAGS}
+    if isinstance(prompt, list):
+        flags["return_output_ids"] = True  # clients that bring token ids want token ids back
+    if flags["return_logprobs"] and params.logprobs is None:
+        params.logprobs = 0  # the sampled token's logprob
+    return GenerateRequest(prompt, params, bool(stream), prepend, **flags)
+
+
+def _prompt(get_input: GetInput) -> str | list[int]:
+    text, ids = get_input("text_input"), get_input("input_ids")
+    if text is None and ids is None:
+        raise ValueError("missing input: send text_input (one string) or input_ids (token ids)")
+    if text is not None and ids is not None:
+        raise ValueError("send either text_input or input_ids, not both")
+    if ids is not None:
+        flat = np.asarray(ids).reshape(-1)
+        if flat.size == 0:
+            raise ValueError("input_ids must hold at least one token id")
+        return [int(t) for t in flat]
+    flat = np.asarray(text, dtype=object).reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"text_input must hold exactly one string, got {flat.size}")
+    value = flat[0]
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("text_input must be UTF-8 text") from None
+    if not isinstance(value, str) or not value:
+        raise ValueError("text_input must be a non-empty string")
+    return value
+
+
+def _flag(get_input: GetInput, name: str, default: bool | None) -> bool | None:
+    tensor = get_input(name)
+    if tensor is None:
+        return default
+    flat = np.asarray(tensor).reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"{name} must be one boolean, got {flat.size} values")
+    return bool(flat[0])
+
+
+def _sampling_tensor(get_input: GetInput) -> dict[str, Any]:
+    tensor = get_input("sampling_parameters")
+    if tensor is None:
+        return {}
+    flat = np.asarray(tensor, dtype=object).reshape(-1)
+    if flat.size != 1:
+        raise ValueError("sampling_parameters must be one JSON string")
+    raw = flat[0].decode("utf-8", errors="replace") if isinstance(flat[0], bytes) else str(flat[0])
+    return _json_object(raw, "sampling_parameters")
+
+
+def _json_object(raw: str | None, name: str) -> dict[str, Any]:
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{name}: malformed JSON ({err.msg} at position {err.pos})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def sampling_params(request_parameters: dict[str, Any], tensor_values: dict[str, Any]) -> SamplingParams:
+    """Merge the request's parameters with the sampling_parameters tensor (which wins); vLLM names."""
+    # Triton's own request parameters (triton_*) are not sampling settings.
+    merged = {k: v for k, v in request_parameters.items() if not k.startswith("triton_")}
+    merged.update(tensor_values)
+    coerced = {key: _coerce(key, value) for key, value in merged.items()}
+    try:
+        return SamplingParams.from_dict(coerced)
+    except TypeError as err:  # e.g. a wrongly typed list
+        raise ValueError(f"sampling_parameters: {err}") from None
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """vLLM clients often send numbers as strings ({"temperature": "0.1"}): accept them."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if key in _INT_FIELDS:
+            return int(text)
+        if key in _FLOAT_FIELDS:
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{key} must be a number, got {value!r}") from None
+    if key in _BOOL_FIELDS:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def response_arrays(req: GenerateRequest, out: Any, prefix: str = "") -> dict[str, np.ndarray]:
+    """Tensors for one response: the delta when streaming, everything (after `prefix`) at the end otherwise."""
+    if req.stream:
+        text, ids, logprobs = out.delta_text, out.delta_token_ids, out.delta_logprobs
+    else:
+        text, ids, logprobs = prefix + out.text, out.token_ids, out.logprobs
+    arrays = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+    if req.return_finish_reason:
+        reason = out.finish_reason if out.finished and out.finish_reason else ""
+        arrays["finish_reason"] = np.array([reason.encode()], dtype=np.object_)
+    if req.return_num_input_tokens:
+        arrays["num_input_tokens"] = np.array([out.num_prompt_tokens], dtype=np.int32)
+    if req.return_num_output_tokens:
+        arrays["num_output_tokens"] = np.array([len(ids)], dtype=np.int32)
+    if req.return_output_ids:
+        arrays["output_ids"] = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if req.return_logprobs:
+        arrays["logprobs"] = np.array([json.dumps(logprobs or []).encode()], dtype=np.object_)
+    return arrays

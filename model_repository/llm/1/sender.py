@@ -1,0 +1,181 @@
+"""The one sender thread: engine updates → Triton responses, cancellation checks, gauge refreshes."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from protocol import GenerateRequest, response_arrays
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCEL_CHECK_INTERVAL_S = 0.1  # is_cancelled() is an IPC round trip: sweep, don't ask per token
+_STOP = object()
+
+
+@dataclass(slots=True, eq=False)
+class Stream:
+    """Adapter-side state of one accepted request."""
+
+    request_id: str
+    sender: Any  # pb_utils response sender
+    req: GenerateRequest
+    prefix: str  # prepended to a non-streaming text_output
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    cancelled: bool = False
+
+
+def error_response(message: str, code: Any) -> Any:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+class ResponseLoop:
+    """Owns every accepted request until its one final response is sent."""
+
+    def __init__(self, engine: Any, metrics: Any, stats_interval_s: float = 0.5):
+        self.queue: queue.Queue = queue.Queue()  # the engine's sink for every request
+        self._engine, self._metrics, self._stats_interval = engine, metrics, stats_interval_s
+        self._active: dict[str, Stream] = {}
+        self._thread = threading.Thread(target=self._run, name="tandem-sender", daemon=True)
+        self._next_cancel_check = self._next_stats = 0.0
+        self.closing = False  # set by finalize: the engine stops on purpose, its abort outputs answer everyone
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def register(self, stream: Stream) -> None:
+        self._active[stream.request_id] = stream
+
+    def claim(self, request_id: str) -> Stream | None:
+        """Take a request out of the loop; whoever claims it sends its final response (dict.pop is atomic)."""
+        return self._active.pop(request_id, None)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Call after engine.shutdown(): its final outputs are queued ahead of the stop marker."""
+        self.queue.put(_STOP)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                items = [self.queue.get(timeout=0.05)]
+            except queue.Empty:
+                items = []
+            while True:  # drain what is already there: one pass per burst of engine outputs
+                try:
+                    items.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is not _STOP:
+                    self._safe_handle(item)
+            if any(item is _STOP for item in items):
+                break
+            self._housekeeping(time.monotonic())
+        self._fail_all("request aborted: the model is unloading", pb_utils.TritonError.UNAVAILABLE)
+
+    def _safe_handle(self, out: Any) -> None:
+        try:
+            self._handle(out)
+        except Exception as err:  # never let one bad update kill the thread that answers everyone
+            pb_utils.Logger.log_error(f"tandem: response for request {out.request_id} failed: {err!r}")
+            stream = self.claim(out.request_id)
+            if stream is not None:
+                self._engine.abort(out.request_id)
+                self._send(stream, error_response(f"internal error: {err}", pb_utils.TritonError.INTERNAL), FINAL)
+
+    def _handle(self, out: Any) -> None:
+        stream = self._active.get(out.request_id)
+        if stream is None:
+            return  # already answered (error, cancel or shutdown)
+        self._observe(stream, out, time.monotonic())
+        if out.finished:
+            if self.claim(out.request_id) is not None:
+                self._finish(stream, out)
+        elif stream.req.stream and not stream.cancelled and self._worth_sending(stream.req, out):
+            tensors = [pb_utils.Tensor(k, v) for k, v in response_arrays(stream.req, out).items()]
+            self._send(stream, pb_utils.InferenceResponse(output_tensors=tensors), 0)
+
+    @staticmethod
+    def _worth_sending(req: GenerateRequest, out: Any) -> bool:
+        # A token whose text the detokenizer still holds back matters only to token-level clients.
+        token_level = req.return_output_ids or req.return_num_output_tokens or req.return_logprobs
+        return bool(out.delta_text) or (token_level and bool(out.delta_token_ids))
+
+    def _finish(self, stream: Stream, out: Any) -> None:
+        if stream.cancelled:
+            response = None  # the client is gone: only close the stream
+        elif out.finish_reason == "error":
+            response = error_response(f"engine error: {out.error or 'unknown'}", pb_utils.TritonError.INTERNAL)
+        elif out.finish_reason == "abort":
+            msg = f"request aborted after {len(out.token_ids)} tokens: the model is unloading or the engine stopped"
+            response = error_response(msg, pb_utils.TritonError.UNAVAILABLE)
+        else:
+            arrays = response_arrays(stream.req, out, stream.prefix)
+            response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
+        self._send(stream, response, FINAL)
+        self._metrics.e2e.observe(time.monotonic() - stream.arrival)
+        self._metrics.request_finished(out.finish_reason, out.num_prompt_tokens)
+
+    def _observe(self, stream: Stream, out: Any, now: float) -> None:
+        n = len(out.delta_token_ids)
+        if not n:
+            return
+        self._metrics.generation_tokens.increment(n)
+        if stream.first_token is None:
+            stream.first_token = now
+            self._metrics.ttft.observe(now - stream.arrival)
+        else:
+            gap = (now - stream.last_token) / n
+            for _ in range(n):
+                self._metrics.itl.observe(gap)
+        stream.last_token = now
+
+    def _send(self, stream: Stream, response: Any, flags: int) -> None:
+        try:
+            if response is None:
+                stream.sender.send(flags=flags)
+            else:
+                stream.sender.send(response, flags=flags)
+        except Exception as err:  # client disconnected or request already cancelled
+            if not stream.cancelled:
+                pb_utils.Logger.log_verbose(f"tandem: request {stream.request_id}: send failed ({err}); aborting")
+                stream.cancelled = True
+                if flags != FINAL:
+                    self._engine.abort(stream.request_id)
+
+    def _housekeeping(self, now: float) -> None:
+        if now >= self._next_cancel_check:
+            self._next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
+            self._check_cancelled()
+            if not self.closing and not self._engine.healthy:
+                self._fail_all("engine stopped; see the server log", pb_utils.TritonError.INTERNAL)
+        if now >= self._next_stats:
+            self._next_stats = now + self._stats_interval
+            try:
+                self._metrics.update_engine(self._engine.stats())
+            except Exception as err:
+                pb_utils.Logger.log_warn(f"tandem: engine stats unavailable: {err!r}")
+
+    def _check_cancelled(self) -> None:
+        for stream in list(self._active.values()):
+            if stream.cancelled:
+                continue
+            try:
+                cancelled = stream.sender.is_cancelled()
+            except Exception:
+                cancelled = True  # the request is gone on the server side
+            if cancelled:
+                stream.cancelled = True
+                self._engine.abort(stream.request_id)  # its final "abort" output closes the stream
+
+    def _fail_all(self, message: str, code: Any) -> None:
+        for request_id in list(self._active):
+            stream = self.claim(request_id)
+            if stream is not None:
+                self._send(stream, None if stream.cancelled else error_response(message, code), FINAL)

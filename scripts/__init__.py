@@ -1,0 +1,1 @@
+"""Developer scripts: `python -m scripts.serve` starts tritonserver with the Tandem model repository."""

@@ -1,0 +1,76 @@
+"""`python -m scripts.serve`: start tritonserver on the Tandem model repository and say how to call it."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from scripts.tritonserver_env import REPO_ROOT, find_triton, start_server, stop_server, wait_until_ready
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(description=__doc__, epilog="Arguments after `--` go to tritonserver unchanged.")
+    p.add_argument("--model-repository", default=env("TANDEM_MODEL_REPOSITORY", str(REPO_ROOT / "model_repository")))
+    p.add_argument("--http-port", type=int, default=int(env("TANDEM_HTTP_PORT", "8000")))
+    p.add_argument("--grpc-port", type=int, default=int(env("TANDEM_GRPC_PORT", "8001")))
+    p.add_argument("--metrics-port", type=int, default=int(env("TANDEM_METRICS_PORT", "8002")))
+    p.add_argument("--model-name", default="llm", help="model to wait for before printing the usage")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the model to load")
+    args, extra = p.parse_known_args(argv)
+    args.extra = [a for a in extra if a != "--"]
+    return args
+
+
+def usage(args: argparse.Namespace) -> str:
+    name, http = args.model_name, args.http_port
+    return f"""
+Tandem is serving model '{name}'.
+  HTTP     http://localhost:{http}   gRPC  localhost:{args.grpc_port}   metrics  http://localhost:{args.metrics_port}/metrics
+  curl -s localhost:{http}/v2/models/{name}/generate \\
+       -d '{{"text_input": "The capital of France is", "parameters": {{"max_tokens": 32, "temperature": 0}}}}'
+  curl -sN localhost:{http}/v2/models/{name}/generate_stream \\
+       -d '{{"text_input": "Write a haiku about GPUs", "stream": true, "parameters": {{"max_tokens": 64}}}}'
+  python -m client "The capital of France is"
+Ctrl-C stops the server.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    install = find_triton()
+    print(f"tritonserver: {install.binary}", flush=True)
+    try:
+        proc = start_server(
+            args.model_repository, args.http_port, args.grpc_port, args.metrics_port, args.extra, install=install
+        )
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    # Ctrl-C / SIGTERM: ask Triton for an orderly shutdown (it unloads the model); a second one kills it.
+    # The handler only signals: waiting here would race the main thread's proc.wait().
+    signals = []
+
+    def forward(signum, _frame):
+        signals.append(signum)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL) if len(signals) > 1 else proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        wait_until_ready(proc, args.http_port, timeout=args.ready_timeout, model_name=args.model_name)
+        print(usage(args), flush=True)
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        stop_server(proc)
+        return 1
+    proc.wait()
+    return stop_server(proc) or 0  # also ends stubs the server left in its process group
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""`triton_server`: one real tritonserver per test session, serving model_repository/llm with CPU-sized settings."""
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+import subprocess
+
+import pytest
+
+from scripts.tritonserver_env import (
+    REPO_ROOT, free_port, start_server, stop_server, stub_pids, wait_until_ready,
+)
+
+MODEL_NAME = "llm"
+READY_TIMEOUT_S = 180.0
+# Small enough for 2 CPU cores, large enough for 64 concurrent short requests.
+CPU_PARAMETERS = {
+    "device": "cpu",
+    "num_kv_blocks": "512",
+    "max_num_seqs": "64",
+    "max_num_batched_tokens": "1024",
+    "max_model_len": "1024",
+    "stats_interval_s": "0.2",
+}
+
+
+@dataclass(slots=True)
+class TritonServer:
+    """Where the test server listens, and its log."""
+
+    grpc_url: str  # "localhost:PORT"
+    http_url: str  # "localhost:PORT"
+    metrics_url: str  # "http://localhost:PORT/metrics"
+    model_name: str
+    log_path: Path
+    model_repository: Path
+    process: subprocess.Popen
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def stub_pids(self) -> list[int]:
+        """Python-backend stubs serving this server's model repository (not other servers on the machine)."""
+        return stub_pids(str(self.model_repository))
+
+
+def set_parameters(config_text: str, values: dict[str, str]) -> str:
+    """Replace (or add) `parameters` entries of a config.pbtxt."""
+    for key, value in values.items():
+        entry = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+        pattern = re.compile(r'parameters:\s*\{\s*key:\s*"' + re.escape(key) + r'"[^\n]*')
+        config_text, n = pattern.subn(entry, config_text)
+        if n == 0:
+            config_text += "\n" + entry + "\n"
+    return config_text
+
+
+def make_model_repository(target: Path, parameters: dict[str, str]) -> Path:
+    repo = target / "model_repository"
+    shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    config = repo / MODEL_NAME / "config.pbtxt"
+    config.write_text(set_parameters(config.read_text(), parameters))
+    return repo
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("triton")
+    repo = make_model_repository(root, CPU_PARAMETERS)
+    log_path = root / "tritonserver.log"
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    args = [f"--model-control-mode=explicit", f"--load-model={MODEL_NAME}", "--exit-timeout-secs=30"]
+    proc = start_server(repo, http, grpc, metrics, args, log_path=log_path)
+    server = TritonServer(f"localhost:{grpc}", f"localhost:{http}", f"http://localhost:{metrics}/metrics",
+                          MODEL_NAME, log_path, repo, proc)
+    try:
+        wait_until_ready(proc, http, timeout=READY_TIMEOUT_S, model_name=MODEL_NAME)
+    except RuntimeError as err:
+        stop_server(proc)
+        pytest.fail(f"{err}\n--- tritonserver log ---\n{server.log_tail()}", pytrace=False)
+    yield server
+    stop_server(proc)
+    assert proc.returncode is not None
+    left = server.stub_pids()
+    assert not left, f"triton_python_backend_stub processes left after shutdown: {left}"
