@@ -7,7 +7,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 

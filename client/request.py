@@ -30,8 +30,10 @@ def sampling_parameters(req: GenerateRequest) -> dict[str, Any]:
 
 def tensors(req: GenerateRequest) -> dict[str, tuple[np.ndarray, str]]:
     """Input name → (array, Triton datatype); shapes follow the convention (scalars as [1])."""
-    out: dict[str, tuple[np.ndarray, str]] = {
-        "text_input": (np.array([req.prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
+    out: dict[str, tuple[np.ndarray, str]] = {}
+    if req.input_ids is None or req.prompt:  # token-id prompts send no text_input: the server takes one of them
+        out["text_input"] = (np.array([req.prompt.encode("utf-8")], dtype=np.object_), "BYTES")
+    out |= {
         "stream": (np.array([req.stream], dtype=bool), "BOOL"),
         "sampling_parameters": (np.array([json.dumps(sampling_parameters(req)).encode()], dtype=np.object_), "BYTES"),
         "exclude_input_in_output": (np.array([req.exclude_input], dtype=bool), "BOOL"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -194,3 +195,23 @@ def stub_pids(marker: str) -> list[int]:
         if STUB_NAME in cmdline and marker in cmdline and state != "Z":
             pids.append(int(entry.name))
     return pids
+
+
+def set_parameters(config_text: str, values: dict[str, str]) -> str:
+    """Replace (or add) `parameters` entries of a config.pbtxt."""
+    for key, value in values.items():
+        entry = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+        pattern = re.compile(r'parameters:\s*\{\s*key:\s*"' + re.escape(key) + r'"[^\n]*')
+        config_text, n = pattern.subn(entry, config_text)
+        if n == 0:
+            config_text += "\n" + entry + "\n"
+    return config_text
+
+
+def make_model_repository(target: Path, parameters: dict[str, str], model_name: str = "llm") -> Path:
+    """A copy of our model repository under target with some engine parameters changed."""
+    repo = target / "model_repository"
+    shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    config = repo / model_name / "config.pbtxt"
+    config.write_text(set_parameters(config.read_text(), parameters))
+    return repo

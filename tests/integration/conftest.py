@@ -1,8 +1,6 @@
 """`triton_server`: one real tritonserver per test session, serving model_repository/llm with CPU-sized settings."""
 from __future__ import annotations
 
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 import subprocess
@@ -10,7 +8,7 @@ import subprocess
 import pytest
 
 from scripts.tritonserver_env import (
-    REPO_ROOT, free_port, start_server, stop_server, stub_pids, wait_until_ready,
+    free_port, make_model_repository, start_server, stop_server, stub_pids, wait_until_ready,
 )
 
 MODEL_NAME = "llm"
@@ -46,32 +44,13 @@ class TritonServer:
         return stub_pids(str(self.model_repository))
 
 
-def set_parameters(config_text: str, values: dict[str, str]) -> str:
-    """Replace (or add) `parameters` entries of a config.pbtxt."""
-    for key, value in values.items():
-        entry = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
-        pattern = re.compile(r'parameters:\s*\{\s*key:\s*"' + re.escape(key) + r'"[^\n]*')
-        config_text, n = pattern.subn(entry, config_text)
-        if n == 0:
-            config_text += "\n" + entry + "\n"
-    return config_text
-
-
-def make_model_repository(target: Path, parameters: dict[str, str]) -> Path:
-    repo = target / "model_repository"
-    shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
-    config = repo / MODEL_NAME / "config.pbtxt"
-    config.write_text(set_parameters(config.read_text(), parameters))
-    return repo
-
-
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("triton")
     repo = make_model_repository(root, CPU_PARAMETERS)
     log_path = root / "tritonserver.log"
     http, grpc, metrics = free_port(), free_port(), free_port()
-    args = [f"--model-control-mode=explicit", f"--load-model={MODEL_NAME}", "--exit-timeout-secs=30"]
+    args = ["--model-control-mode=explicit", f"--load-model={MODEL_NAME}", "--exit-timeout-secs=30"]
     proc = start_server(repo, http, grpc, metrics, args, log_path=log_path)
     server = TritonServer(f"localhost:{grpc}", f"localhost:{http}", f"http://localhost:{metrics}/metrics",
                           MODEL_NAME, log_path, repo, proc)

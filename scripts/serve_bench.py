@@ -1,0 +1,129 @@
+"""python -m scripts.serve_bench: a model served by a real tritonserver, driven by N concurrent gRPC streams,
+beside the same requests run offline by the engine. Prints a table and one JSON line.
+
+Each level sends N requests at once (one wave) over gRPC streaming with token-id prompts, and reports output
+tokens/s, time to first token and inter-token latency percentiles; the offline run generates the same N
+requests with `Engine.generate`, so the ratio is Triton's cost.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from scripts.tritonserver_env import free_port, make_model_repository, start_server, stop_server, wait_until_ready
+
+
+def make_requests(n: int, prompt_len: tuple[int, int], new_tokens: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randint(*prompt_len))] for _ in range(n)]
+
+
+async def drive(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """One wave: every prompt streamed at once; per-request TTFT, ITL and tokens."""
+    from client import AsyncClient, GenerateRequest
+
+    client = AsyncClient(url, protocol="grpc")
+
+    async def one(ids: list[int]):
+        req = GenerateRequest(input_ids=ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        first, tokens = None, 0
+        async for chunk in client.stream(req):
+            n = chunk.tokens()
+            if n and first is None:
+                first = time.perf_counter() - start
+            tokens += n
+        end = time.perf_counter() - start
+        itl = (end - first) / max(tokens - 1, 1) if first is not None else None
+        return first, itl, end, tokens
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - start
+    await client.close()
+    ttft = sorted(r[0] for r in results if r[0] is not None)
+    itl = sorted(r[1] for r in results if r[1] is not None)
+    tokens = sum(r[3] for r in results)
+    return dict(requests=len(prompts), wall_s=round(wall, 3), output_tokens=tokens,
+                tok_per_s=round(tokens / wall, 1), ttft_ms=_pcts(ttft), itl_ms=_pcts(itl))
+
+
+def _pcts(values: list[float]) -> dict:
+    if not values:
+        return {}
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))] * 1e3  # noqa: E731
+    return {"p50": round(pick(0.5), 2), "p90": round(pick(0.9), 2), "p99": round(pick(0.99), 2),
+            "mean": round(statistics.mean(values) * 1e3, 2)}
+
+
+def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int) -> dict[int, dict]:
+    """The engine alone on the same requests, wave by wave."""
+    from backend import Engine, EngineConfig, SamplingParams
+
+    cfg = EngineConfig.from_dict({k: v for k, v in parameters.items() if k in EngineConfig.__dataclass_fields__})
+    engine = Engine(cfg)
+    out = {}
+    try:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        for n, prompts in waves.items():
+            start = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            wall = time.perf_counter() - start
+            tokens = sum(len(o.token_ids) for o in outs)
+            out[n] = dict(wall_s=round(wall, 3), tok_per_s=round(tokens / wall, 1))
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="random:llama-3-8b")
+    ap.add_argument("--concurrency", default="32,64,128")
+    ap.add_argument("--prompt-len", default="128,1024")
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--log", default=None, help="tritonserver log file")
+    args = ap.parse_args(argv)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    lo, hi = (int(x) for x in args.prompt_len.split(","))
+    parameters = {"model": args.model, "max_num_seqs": str(max(levels)), "max_model_len": str(args.max_model_len),
+                  "max_num_batched_tokens": "8192", "timeline": "true"}
+    waves = {n: make_requests(n, (lo, hi), args.new_tokens, seed=n) for n in levels}
+    print(f"# serve_bench: model {args.model}, concurrency {levels}, prompt {lo}-{hi}, new tokens {args.new_tokens}",
+          flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    repo = make_model_repository(tmp, parameters)
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    proc = start_server(repo, http, grpc, metrics, log_path=args.log or tmp / "tritonserver.log")
+    served = {}
+    try:
+        wait_until_ready(proc, http, timeout=900, model_name="llm")
+        asyncio.run(drive(f"localhost:{grpc}", waves[levels[0]][:4], 8))  # warm-up
+        for n in levels:
+            served[n] = asyncio.run(drive(f"localhost:{grpc}", waves[n], args.new_tokens))
+            print(f"triton  concurrency={n}  " + "  ".join(f"{k}={v}" for k, v in served[n].items()), flush=True)
+    finally:
+        stop_server(proc)
+    engine = offline(parameters, waves, args.new_tokens)
+    for n in levels:
+        served[n]["engine_tok_per_s"] = engine[n]["tok_per_s"]
+        served[n]["triton_vs_engine"] = round(served[n]["tok_per_s"] / engine[n]["tok_per_s"], 3)
+        print(f"engine  concurrency={n}  tok_per_s={engine[n]['tok_per_s']}  "
+              f"triton/engine={served[n]['triton_vs_engine']}", flush=True)
+    print(json.dumps({"model": args.model, "new_tokens": args.new_tokens, "levels": served}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
