@@ -24,7 +24,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from backend import Engine, EngineConfig, EngineDead, EngineOverloaded  # noqa: E402
 from metrics import ServingMetrics  # noqa: E402
 from protocol import parse_request  # noqa: E402
-from sender import FINAL, ResponseLoop, Stream, error_response  # noqa: E402
+from sender import FINAL, PB_LOCK, ResponseLoop, Stream, error_response  # noqa: E402
 
 ADAPTER_SETTINGS = ("stats_interval_s", "log_prompts")  # config.pbtxt parameters that are not engine settings
 
@@ -53,12 +53,16 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"tandem: engine ready ({args['model_name']}, instance {args['model_instance_name']})")
 
     def execute(self, requests: list) -> None:
-        for request in requests:
-            try:
-                self._accept(request)
-            except Exception as err:  # e.g. the client left before its error reply: never fail the batch
-                pb_utils.Logger.log_warn(f"tandem: could not answer a request: {err!r}")
+        with PB_LOCK:  # why: one thread at a time in the stub (see sender.PB_LOCK)
+            for request in requests:
+                self._accept_safely(request)
         return None  # decoupled: every answer goes through the request's response sender
+
+    def _accept_safely(self, request) -> None:
+        try:
+            self._accept(request)
+        except Exception as err:  # e.g. the client left before its error reply: never fail the batch
+            pb_utils.Logger.log_warn(f"tandem: could not answer a request: {err!r}")
 
     def _accept(self, request) -> None:
         sender = request.get_response_sender()

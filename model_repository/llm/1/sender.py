@@ -29,6 +29,10 @@ class Stream:
     last_token: float | None = None
     cancelled: bool = False
 
+# One thread at a time talks to the Python backend's stub (tensors, sends, cancel checks): the stub's shared
+# memory was seen corrupting BYTES tensors under load on the GPU machine when execute() and this thread overlapped.
+PB_LOCK = threading.Lock()
+
 
 def error_response(message: str, code: Any) -> Any:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
@@ -80,6 +84,10 @@ class ResponseLoop:
         self._fail_all("request aborted: the model is unloading", pb_utils.TritonError.UNAVAILABLE)
 
     def _safe_handle(self, out: Any) -> None:
+        with PB_LOCK:  # why: see PB_LOCK
+            self._safe_handle_locked(out)
+
+    def _safe_handle_locked(self, out: Any) -> None:
         try:
             self._handle(out)
         except Exception as err:  # never let one bad update kill the thread that answers everyone
@@ -163,6 +171,10 @@ class ResponseLoop:
                 pb_utils.Logger.log_warn(f"tandem: engine stats unavailable: {err!r}")
 
     def _check_cancelled(self) -> None:
+        with PB_LOCK:
+            self._check_cancelled_locked()
+
+    def _check_cancelled_locked(self) -> None:
         for stream in list(self._active.values()):
             if stream.cancelled:
                 continue
