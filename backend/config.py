@@ -33,6 +33,7 @@ class EngineConfig:
     max_stop_strings: int = 16
     max_stop_string_length: int = 256
     cache_dir: str | None = None  # where the built-in model is converted to safetensors
+    test_fault_every_n_steps: int = 0  # test hook: every n-th step raises (0 = off); never set in production
     extra: dict[str, Any] = field(default_factory=dict)  # free-form settings for tests and tools
 
     @classmethod
@@ -77,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         _positive("max_stop_strings", self.max_stop_strings)
         _positive("max_stop_string_length", self.max_stop_string_length)
+        if not isinstance(self.test_fault_every_n_steps, int) or self.test_fault_every_n_steps < 0:
+            raise ValueError(f"test_fault_every_n_steps must be >= 0, got {self.test_fault_every_n_steps!r}")
         return self
 
 

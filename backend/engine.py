@@ -61,7 +61,8 @@ class Engine:
         self._consecutive_faults = 0
         self._inflight: StepState | None = None
         self._steps = 0
-        self._fault_every = int(self.config.extra.get("fault_every_n_steps", 0))
+        self._fault_every = self.config.test_fault_every_n_steps
+        self._fault_clock = 0  # scheduled steps, counted for the fault hook
         self._stats_snapshot: dict = {}
         # why: the loop thread hands the GIL back and forth with the output and sender threads; a short switch
         # interval keeps it from waiting up to 5 ms to get the GIL back after each CUDA wait
@@ -221,8 +222,9 @@ class Engine:
             batch = self.scheduler.schedule()
         cur = None
         if batch is not None:
-            if self._fault_every and (self._steps + 1) % self._fault_every == 0:
-                raise RuntimeError(f"injected fault at step {self._steps + 1} (test hook)")
+            self._fault_clock += 1
+            if self._fault_every and self._fault_clock % self._fault_every == 0:
+                raise RuntimeError(f"injected fault at step {self._fault_clock} (test hook)")
             with tl.cpu_span("pack"):
                 cur = self.runner.pack(batch, self._inflight)
             with tl.cpu_span("launch"):

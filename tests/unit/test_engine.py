@@ -308,3 +308,52 @@ def test_min_tokens_masks_stop_tokens(root, async_pipeline):
         assert stop_tok not in out.token_ids[:8]
     finally:
         engine.shutdown()
+
+
+def test_injected_fault_fails_inflight_requests_and_engine_recovers(root):
+    """A step that raises: every request in flight ends with an error, blocks return, new requests succeed."""
+    path = build_tiny("llama", root)
+    engine = make_engine(path, True, test_fault_every_n_steps=5)
+    try:
+        outs = engine.generate(random_prompts([4, 9, 13], seed=61), greedy(20))
+        assert [o.finish_reason for o in outs] == ["error"] * 3
+        assert all("injected fault" in o.error for o in outs)
+        assert engine.stats()["kv_blocks_used"] == 0
+        assert engine.healthy
+        short = engine.generate([[5, 6, 7]], greedy(2))[0]  # fits between two faults
+        assert short.finish_reason == "length" and len(short.token_ids) == 2
+    finally:
+        engine.shutdown()
+
+
+def test_repeated_faults_mark_the_engine_unhealthy(root):
+    from backend import EngineDead
+
+    path = build_tiny("llama", root)
+    engine = make_engine(path, False, test_fault_every_n_steps=1)
+    try:
+        for _ in range(3):
+            try:
+                out = engine.generate([[5, 6, 7]], greedy(4))[0]
+                assert out.finish_reason in ("error", "abort")
+            except EngineDead:
+                break
+        deadline = time.time() + 5
+        while engine.healthy and time.time() < deadline:
+            time.sleep(0.01)
+        assert not engine.healthy
+        with pytest.raises(EngineDead):
+            engine.add_request([1, 2], greedy(2))
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_answers_every_request(root):
+    path = build_tiny("llama", root)
+    engine = make_engine(path, True)
+    streams = [engine.add_request(p, greedy(300)) for p in random_prompts([5, 6, 7, 8], seed=71)]
+    next(streams[0])
+    engine.shutdown()
+    finals = [s.result() for s in streams]
+    assert all(f.finished for f in finals)
+    assert {f.finish_reason for f in finals} <= {"abort", "length"}
