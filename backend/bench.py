@@ -60,8 +60,10 @@ def build_engine(wl: Workload, async_pipeline: bool, args) -> Engine:
     if args.attention:
         settings["attention_backend"] = args.attention
     if wl.model == "stand-in":
-        from .standin import StandInModel
         from .models.random_model import byte_tokenizer
+        from .standin import StandInModel
+
+        torch.set_num_threads(1)  # why: the stand-in's tiny CPU ops only pay thread start-up with more
 
         settings["model"] = "stand-in"
         return Engine(EngineConfig(**settings), model=StandInModel(), tokenizer=byte_tokenizer())

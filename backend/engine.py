@@ -83,7 +83,8 @@ class Engine:
         self._inbox.put(("add", [req]))
         return stream
 
-    def _prepare(self, prompt, params, request_id, sink) -> tuple[Request, RequestStream | None]:
+    def _prepare(self, prompt, params, request_id, sink, stream_outputs: bool = True
+                 ) -> tuple[Request, RequestStream | None]:
         """Validate and register a request (caller thread); the loop learns of it from the inbox."""
         if not self.healthy:
             raise EngineDead("the engine is not running")
@@ -106,7 +107,7 @@ class Engine:
         if sink is None:
             stream = RequestStream(request_id, self)
             sink = stream.queue
-        self.outputs.register(req, sink)
+        self.outputs.register(req, sink, stream=stream_outputs)
         return req, stream
 
     def abort(self, request_id: str) -> None:
@@ -125,7 +126,8 @@ class Engine:
         reqs: list[Request] = []
         try:
             for prompt, p in zip(prompts, plist):
-                reqs.append(self._prepare(prompt, p, f"gen-{next(self._id_counter)}", sink)[0])
+                # final outputs only: text is decoded once per request, not once per token
+                reqs.append(self._prepare(prompt, p, f"gen-{next(self._id_counter)}", sink, stream_outputs=False)[0])
         except Exception:
             for req in reqs:
                 self.outputs.discard(req.request_id)

@@ -34,6 +34,7 @@ class _OutputState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None
     text: str = ""
+    final_only: bool = False  # the caller wants the final output only: decode once, at the end
 
 
 class OutputProcessor:
@@ -49,9 +50,11 @@ class OutputProcessor:
         self._thread = threading.Thread(target=self._run, name="tandem-outputs", daemon=True)
         self._thread.start()
 
-    def register(self, req: Request, sink) -> None:
+    def register(self, req: Request, sink, stream: bool = True) -> None:
+        """stream=False: only the final output is delivered, so (without stop strings) nothing is decoded per step."""
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
-        state = _OutputState(req, sink, detok, logprobs=[] if req.params.logprobs is not None else None)
+        state = _OutputState(req, sink, detok, logprobs=[] if req.params.logprobs is not None else None,
+                             final_only=not stream and not req.params.stop)
         with self._lock:
             self._states[req.request_id] = state
 
@@ -125,22 +128,32 @@ class OutputProcessor:
             state = self._states.get(ev.request_id)
         if state is None:
             return None  # already finished (e.g. by a stop string): later tokens are dropped
-        needs = False
         if ev.token is not None:
             state.token_ids.append(ev.token)
-            # the token that stopped the request (EOS / a stop id) is in token_ids but not in the text
-            needs = state.detok.stage([ev.token], exclude_from_text=ev.finish_reason == FINISH_STOP)
+            if ev.logprob is not None and state.logprobs is not None:
+                state.logprobs.append(_logprob_entry(ev.token, ev.logprob))
+        # the token that stopped the request (EOS / a stop id) is in token_ids but not in the text
+        hidden = ev.finish_reason == FINISH_STOP and ev.token is not None
+        if state.final_only:
+            if ev.finish_reason is None:
+                return None
+            ids = state.token_ids
+            needs = state.detok.stage(ids[:-1] if hidden else ids)
+            if hidden:
+                state.detok.stage(ids[-1:], exclude_from_text=True)
+            return state, ev, needs
+        needs = ev.token is not None and state.detok.stage([ev.token], exclude_from_text=hidden)
         return state, ev, needs
 
     def _emit(self, state: _OutputState, ev: StepEvent, decoded: tuple[str, str] | None) -> None:
         req, reason = state.request, ev.finish_reason
-        delta_ids = [ev.token] if ev.token is not None else []
-        delta_lp: list[dict] | None = None
-        delta_text = state.detok.apply(*decoded) if decoded is not None else ""
+        if state.final_only:
+            delta_ids, delta_lp = list(state.token_ids), state.logprobs
+        else:
+            delta_ids = [ev.token] if ev.token is not None else []
+            delta_lp = state.logprobs[-1:] if state.logprobs and ev.logprob is not None else None
+        delta_text = state.detok.apply(*decoded, final=state.final_only) if decoded is not None else ""
         if ev.token is not None:
-            if ev.logprob is not None and state.logprobs is not None:
-                delta_lp = [_logprob_entry(ev.token, ev.logprob)]
-                state.logprobs.extend(delta_lp)
             if state.detok.stopped and reason is None:
                 reason = FINISH_STOP
                 self._on_stop_string(req.request_id)
@@ -150,8 +163,8 @@ class OutputProcessor:
         if not delta_ids and not delta_text and reason is None:
             return
         out = RequestOutput(
-            request_id=req.request_id, token_ids=list(state.token_ids), text=state.text,
-            delta_token_ids=delta_ids, delta_text=delta_text, finished=reason is not None,
+            request_id=req.request_id, all_token_ids=state.token_ids, num_tokens=len(state.token_ids),
+            text=state.text, delta_token_ids=delta_ids, delta_text=delta_text, finished=reason is not None,
             finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
             logprobs=state.logprobs, delta_logprobs=delta_lp, error=ev.error,
             num_cached_tokens=req.num_cached_tokens)
@@ -165,8 +178,8 @@ class OutputProcessor:
         if state is None:
             return
         self._release(request_id)
-        state.sink.put(RequestOutput(request_id, list(state.token_ids), state.text, [], "", True, reason,
-                                     state.request.num_prompt_tokens, error=message))
+        state.sink.put(RequestOutput(request_id, state.token_ids, state.text, [], "", True, reason,
+                                     state.request.num_prompt_tokens, len(state.token_ids), error=message))
 
     def _release(self, request_id: str) -> None:
         with self._lock:

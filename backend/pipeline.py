@@ -52,6 +52,8 @@ class Slot:
         self.host["block_tables"] = self.host["block_tables"].view(S, W)
         self.dev["block_tables"] = self.dev["block_tables"].view(S, W)
         self.np = {k: v.numpy() for k, v in self.host.items()}  # numpy views of the pinned buffers
+        # per block-table row: (the request's block list, blocks written), so a step writes only new blocks
+        self.table_owners: list[tuple[list[int], int] | None] = [None] * S
         # outputs: sampled tokens and their logprobs, written by the compute stream, read back by D2H
         self.out_tokens = torch.zeros(S, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(S, dtype=torch.float32, device=device)

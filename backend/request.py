@@ -175,15 +175,20 @@ class RequestOutput:
     """One update of a request: the new tokens and text since the last update, and the totals."""
 
     request_id: str
-    token_ids: list[int]  # all output tokens so far
+    all_token_ids: list[int]  # the request's growing token list, shared by its updates: read token_ids
     text: str  # all output text so far
     delta_token_ids: list[int]
     delta_text: str
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     num_prompt_tokens: int = 0
-    prompt_token_ids: list[int] | None = None
+    num_tokens: int = -1  # output tokens as of this update (-1: all of all_token_ids)
     logprobs: list[dict[str, Any]] | None = None  # one entry per output token when asked
     delta_logprobs: list[dict[str, Any]] | None = None
     error: str | None = None  # message when finish_reason == "error"
     num_cached_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All output tokens as of this update (a copy made on access, so streaming updates stay cheap)."""
+        return self.all_token_ids[:self.num_tokens] if self.num_tokens >= 0 else list(self.all_token_ids)

@@ -75,6 +75,7 @@ class ModelRunner:
         ids, pos, slots_, carry = h["input_ids"], h["positions"], h["slot_mapping"], h["carry_src"]
         qsl, seq_lens, tables, logits_idx = h["query_start_loc"], h["seq_lens"], h["block_tables"], h["logits_idx"]
         prev_rows = prev.row_of if prev is not None else {}
+        owners = slot.table_owners  # row b of this slot's block table: (block list it holds, blocks written)
         qsl[0] = 0
         t = 0
         for b, (req, n, samples) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.samples)):
@@ -93,7 +94,13 @@ class ModelRunner:
                 carry[t:t + n] = -1
                 slots_[t:t + n] = np.asarray(blocks)[p // bs] * bs + p % bs
             seq_lens[b] = end
-            tables[b, :len(blocks)] = blocks
+            owner = owners[b]
+            if owner is not None and owner[0] is blocks:  # same request, same row: only new blocks to write
+                if owner[1] < len(blocks):
+                    tables[b, owner[1]:len(blocks)] = blocks[owner[1]:]
+            else:
+                tables[b, :len(blocks)] = blocks
+            owners[b] = (blocks, len(blocks))
             t += n
             qsl[b + 1] = t
             if samples:
@@ -122,6 +129,7 @@ class ModelRunner:
         h["query_start_loc"][start + 1:end + 1] = np.arange(start + 1, end + 1)
         h["logits_idx"][start:end] = np.arange(start, end)
         h["block_tables"][start:end, 0] = NULL_BLOCK
+        slot.table_owners[start:end] = [None] * (end - start)
 
     def _sampling(self, st: StepState, rows: int) -> SamplingTensors:
         """Fill the slot's sampling rows on the host; return the device views the sampler reads."""
