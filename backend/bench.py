@@ -93,7 +93,7 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
                       tok_per_s=round(tokens / wall, 1), output_tokens=tokens,
                       gpu_busy=round(summary["gpu_busy_fraction"], 4),
                       cpu_us_per_step=round(summary["cpu_us_per_step"], 1), steps=summary["steps"],
-                      preemptions=engine.stats()["preemptions"])
+                      preemptions=engine.stats()["preemptions"], cpu_us_by_phase=summary["cpu_us_by_phase"])
         if wl.model == "stand-in":
             from .standin import expected_tokens
 
@@ -198,7 +198,7 @@ def _profile_engine_thread() -> None:
 
 def _row(r: dict) -> str:
     keys = ["engine", "mode", "requests", "wall_s", "tok_per_s", "gpu_busy", "cpu_us_per_step", "roofline",
-            "peak_mem_gb", "steps", "preemptions", "all_tokens_exact"]
+            "peak_mem_gb", "steps", "preemptions", "all_tokens_exact", "cpu_us_by_phase"]
     return "  ".join(f"{k}={r[k]}" for k in keys if k in r)
 
 

@@ -255,10 +255,10 @@ class Engine:
         events: list[StepEvent] = []
         lps = result.logprobs
         for i, (req, tok) in enumerate(zip(result.requests, result.token_ids)):
-            req.num_pending -= 1
             if req.is_finished:
-                continue  # finished while this step was queued: its token is dropped
-            req.output_token_ids.append(tok)
+                req.drop_pending()  # finished while this step was queued: its token is dropped
+                continue
+            req.accept_token(tok)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             lp = None
@@ -272,9 +272,12 @@ class Engine:
             events.append(StepEvent(req.request_id, tok, lp, reason))
             if reason is not None:
                 self._finish(req, reason, next_state)
-        for req in st.batch.requests:
-            if not req.is_finished:
-                self.block_manager.register_full_blocks(req, req.num_computed_tokens)
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            bs = bm.block_size
+            for req in st.batch.requests:  # hash blocks that just filled up, for later prefix hits
+                if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs and not req.is_finished:
+                    bm.register_full_blocks(req, req.num_computed_tokens)
         for req in st.batch.free_after:
             self.block_manager.free(req)
         return events

@@ -146,20 +146,32 @@ class Request:
     blocks_freed: bool = False
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # counters kept in step with the lists (read every step for every request, so not recomputed)
+    num_prompt_tokens: int = 0
+    num_tokens: int = 0  # prompt + outputs + tokens still on the device
+    num_output_tokens: int = 0  # outputs + tokens still on the device
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending
+        self.num_output_tokens = len(self.output_token_ids) + self.num_pending
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of the sequence, counting one still on the device."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+    def add_pending(self) -> None:
+        """A queued step will sample this request's next token."""
+        self.num_pending += 1
+        self.num_tokens += 1
+        self.num_output_tokens += 1
 
-    @property
-    def num_output_tokens(self) -> int:
-        """Output tokens, counting one still on the device."""
-        return len(self.output_token_ids) + self.num_pending
+    def accept_token(self, token: int) -> None:
+        """A pending token arrived on the host."""
+        self.num_pending -= 1
+        self.output_token_ids.append(token)
+
+    def drop_pending(self) -> None:
+        """A pending token arrived after the request finished: it is not part of the output."""
+        self.num_pending -= 1
+        self.num_tokens -= 1
+        self.num_output_tokens -= 1
 
     @property
     def is_finished(self) -> bool:

@@ -54,25 +54,23 @@ class Scheduler:
             except ValueError:
                 pass
 
-    def _wants_tokens(self, req: Request) -> int:
-        """Tokens req can feed now: 0 when it has reached a length limit and only waits to finish."""
-        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
-            return 0
-        return req.num_tokens - req.num_computed_tokens
-
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step: running requests first (oldest first), then waiting ones in arrival order."""
         batch = ScheduledBatch(step_id=self._next_step_id)
         budget = self.max_num_batched_tokens
+        bm, bs, max_len = self.block_manager, self.block_manager.block_size, self.max_model_len
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(self._wants_tokens(req), budget)
-            if n <= 0:
+            n = req.num_tokens - req.num_computed_tokens
+            # a request at a length limit feeds nothing: it only waits for its last token to finish it
+            if n <= 0 or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_len:
                 i += 1
                 continue
-            while not self.block_manager.allocate_slots(req, n):
+            n = min(n, budget)
+            fits = req.num_computed_tokens + n <= len(req.block_ids) * bs  # the common decode case
+            while not fits and not bm.allocate_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -114,7 +112,7 @@ class Scheduler:
         req.num_computed_tokens += n
         samples = req.num_computed_tokens == req.num_tokens
         if samples:
-            req.num_pending += 1  # the step samples a token the host will only see later
+            req.add_pending()  # the step samples a token the host will only see later
         req.last_step_id = batch.step_id
         batch.requests.append(req)
         batch.num_new_tokens.append(n)

@@ -129,13 +129,16 @@ class Timeline:
         if cur_e is not None:
             busy += cur_e - cur_s
         per_step: dict[int, float] = {}
+        by_name: dict[str, list[float]] = {}
         for s in cpu:
+            by_name.setdefault(s.name, []).append(s.end - s.start)
             if s.name != "wait":
                 per_step[s.step] = per_step.get(s.step, 0.0) + (s.end - s.start)
         wall = max(end - start, 1e-9)
         return {
             "gpu_busy_fraction": busy / wall,
             "cpu_us_per_step": statistics.median(per_step.values()) * 1e6 if per_step else 0.0,
+            "cpu_us_by_phase": {k: round(statistics.median(v) * 1e6, 1) for k, v in by_name.items()},
             "steps": len(per_step),
             "wall_s": wall,
         }
