@@ -38,10 +38,10 @@ def reference(path):
     return tok, prompts, out
 
 
-@pytest.fixture(scope="module")
-def engine(path):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(path, request):
     eng = Engine(EngineConfig(model="smollm2-135m-instruct", device="cpu", num_kv_blocks=256,
-                              max_num_batched_tokens=64, max_num_seqs=8, async_pipeline=True))
+                              max_num_batched_tokens=64, max_num_seqs=8, async_pipeline=request.param))
     yield eng
     eng.shutdown()
 
