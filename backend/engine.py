@@ -30,6 +30,7 @@ class EngineDead(RuntimeError):
 
 
 _MAX_CONSECUTIVE_FAULTS = 3
+_MAX_CHARS_PER_TOKEN = 64  # a prompt longer than max_model_len x this is refused untokenized
 _SWITCH_INTERVAL_S = 0.0005
 
 
@@ -173,10 +174,19 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            # why: tokenizing megabytes blocks the caller (Triton's execute thread) for seconds; no prompt that
+            # fits max_model_len needs more characters than this
+            limit = self.max_model_len * _MAX_CHARS_PER_TOKEN
+            if len(prompt) > limit:
+                raise ValueError(f"prompt has {len(prompt)} characters; at most {limit} are accepted "
+                                 f"({_MAX_CHARS_PER_TOKEN} per token of the maximum model length {self.max_model_len})")
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt token ids are empty")
+        if len(ids) >= self.max_model_len:  # before the per-id scan: a huge list is refused at once
+            raise ValueError(f"prompt has {len(ids)} token ids; the maximum model length is {self.max_model_len} "
+                             "(prompt + max_tokens)")
         vocab = self.spec.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:

@@ -1,11 +1,13 @@
 """Find a tritonserver, prepare its Python backend and environment, start it, wait for it, stop it."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import re
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -86,6 +88,69 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     return env
 
 
+# ---- NumPy 2 vs the Python-backend stub ------------------------------------------------------------------
+# The stub moves every tensor between shared memory and numpy in C++, through pybind11. The stubs inside
+# nvidia-pytriton 0.7.0 (Triton 24.10's python backend, every Python version) are built with a pybind11 older
+# than 2.12, which reads a dtype's item size at NumPy 1.x's offset in PyArray_Descr. NumPy 2 changed that struct;
+# there the old offset holds the low word of the new `flags` field, 0 for plain types, so the stub sees an item
+# size of 0 (= stride 0) and every tensor is mangled, whatever the Python version:
+#   - each numeric input arrives as its first element repeated (input_ids [11, 22, 33] -> [11, 11, 11]);
+#   - a BYTES input arrives as its first byte repeated: sampling_parameters '{"max_tokens": 8, ...}' (57 bytes
+#     after its length prefix 57 = b"9\0\0\0") becomes b"9999..." (61 bytes), deserialize_bytes_tensor reads
+#     a length of 960051513 and the stub dies (std::terminate on pybind11::error_already_set) before execute();
+#   - every output tensor leaves with 0 bytes.
+# Nothing in model.py can undo that (the BYTES crash comes before our code runs), so refuse to start instead.
+# A stub built with pybind11 >= 2.12 names "numpy._core" (it picks numpy.core or numpy._core by NumPy's major
+# version); the old ones only "numpy.core.multiarray". model.py makes the same check from inside the stub.
+DEFAULT_STUB = Path("/opt/tritonserver/backends/python") / STUB_NAME  # NVIDIA's container
+
+
+def stub_handles_numpy2(stub: Path) -> bool | None:
+    """True: the stub's pybind11 knows NumPy 2; False: NumPy 1.x only; None: cannot tell."""
+    try:
+        data = stub.read_bytes()
+    except OSError:
+        return None
+    if b"numpy._core" in data:
+        return True
+    return False if b"numpy.core.multiarray" in data else None
+
+
+def stub_numpy(env: dict[str, str]) -> tuple[str, str] | None:
+    """(version, folder) of the numpy the stub will import: model.py puts PYTHONPATH first, then comes the
+    base interpreter's own site-packages (the stub embeds that interpreter, not the venv)."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + site.getsitepackages([sys.base_prefix])
+    for dist in importlib.metadata.distributions(name="numpy", path=paths):
+        return dist.version, str(dist.locate_file(""))
+    return None
+
+
+def numpy_abi_problem(stub: Path, numpy_version: str, numpy_where: str = "") -> str | None:
+    """Why `stub` with this numpy would corrupt every tensor, or None when the pair works (or we cannot tell)."""
+    try:
+        major = int(numpy_version.split(".")[0])
+    except ValueError:
+        return None
+    if major < 2 or stub_handles_numpy2(stub) is not False:
+        return None
+    where = f" from {numpy_where}" if numpy_where else ""
+    return (f"the Python-backend stub {stub} was built for NumPy 1.x (its pybind11 predates NumPy 2) but would "
+            f"import numpy {numpy_version}{where}: every tensor would be corrupted and the first request with a "
+            "BYTES input would kill the stub ('unpack_from requires a buffer of at least ...'). Install numpy<2 "
+            "there (requirements-serve.txt pins numpy==1.26.4), or put a folder with numpy<2 first on PYTHONPATH")
+
+
+def check_stub_numpy(install: TritonInstall, env: dict[str, str]) -> None:
+    """Raise RuntimeError if the server's stub and the numpy it would import do not fit (see above)."""
+    found = stub_numpy(env)
+    if found is None:
+        return
+    stub = (install.backend_dir / "python" / STUB_NAME) if install.backend_dir else DEFAULT_STUB
+    problem = numpy_abi_problem(stub, *found)
+    if problem:
+        raise RuntimeError(problem)
+
+
 def _join(first: list[str], rest: str | None) -> str:
     parts = first + ([p for p in rest.split(os.pathsep) if p] if rest else [])
     return os.pathsep.join(dict.fromkeys(parts))  # keep order, drop duplicates
@@ -121,6 +186,8 @@ def start_server(
 ) -> subprocess.Popen:
     """Start tritonserver in its own process group (so stop_server can end its stubs too)."""
     install = install or find_triton()
+    env = server_env(install)
+    check_stub_numpy(install, env)  # fail here, not on the first request (see numpy_abi_problem)
     check_ports_free(http_port, grpc_port, metrics_port)
     cmd = [
         str(install.binary),
@@ -135,7 +202,7 @@ def start_server(
     out = open(log_path, "ab") if log_path else None
     try:
         return subprocess.Popen(
-            cmd, env=server_env(install), stdout=out, stderr=subprocess.STDOUT if out else None,
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
         )
     finally:

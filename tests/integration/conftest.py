@@ -44,14 +44,13 @@ class TritonServer:
         return stub_pids(str(self.model_repository))
 
 
-@pytest.fixture(scope="session")
-def triton_server(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("triton")
-    repo = make_model_repository(root, CPU_PARAMETERS)
+def launch_server(root: Path, parameters: dict[str, str], extra_args: list[str] | None = None) -> TritonServer:
+    """Start a tritonserver on free ports serving our model with `parameters`; wait until the model is ready."""
+    repo = make_model_repository(root, parameters)
     log_path = root / "tritonserver.log"
     http, grpc, metrics = free_port(), free_port(), free_port()
     args = ["--model-control-mode=explicit", f"--load-model={MODEL_NAME}", "--exit-timeout-secs=30"]
-    proc = start_server(repo, http, grpc, metrics, args, log_path=log_path)
+    proc = start_server(repo, http, grpc, metrics, args + list(extra_args or []), log_path=log_path)
     server = TritonServer(f"localhost:{grpc}", f"localhost:{http}", f"http://localhost:{metrics}/metrics",
                           MODEL_NAME, log_path, repo, proc)
     try:
@@ -59,8 +58,19 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory):
     except RuntimeError as err:
         stop_server(proc)
         pytest.fail(f"{err}\n--- tritonserver log ---\n{server.log_tail()}", pytrace=False)
-    yield server
-    stop_server(proc)
-    assert proc.returncode is not None
+    return server
+
+
+def close_server(server: TritonServer) -> None:
+    """Stop the server; no python-backend stub of it may be left behind."""
+    stop_server(server.process)
+    assert server.process.returncode is not None
     left = server.stub_pids()
     assert not left, f"triton_python_backend_stub processes left after shutdown: {left}"
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory: pytest.TempPathFactory):
+    server = launch_server(tmp_path_factory.mktemp("triton"), CPU_PARAMETERS)
+    yield server
+    close_server(server)

@@ -57,13 +57,15 @@ class ServingMetrics:
             "kv_usage": _family("tandem_kv_cache_usage_ratio", "Share of KV blocks in use (0..1)", gauge),
             "kv_used": _family("tandem_kv_cache_blocks_used", "KV blocks in use", gauge),
             "gpu_busy": _family("tandem_gpu_busy_ratio", "Share of wall time with GPU work queued", gauge),
+            "healthy": _family("tandem_engine_healthy", "1 while the engine loop serves, 0 once it stopped", gauge),
         }
         f = self._families
         self.prompt_tokens = f["prompt"].Metric(labels=labels)
         self.generation_tokens = f["generation"].Metric(labels=labels)
         self.finished = {r: f["requests"].Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
         self._preemptions = f["preemptions"].Metric(labels=labels)
-        self._gauges = {k: f[k].Metric(labels=labels) for k in ("running", "waiting", "kv_usage", "kv_used", "gpu_busy")}
+        gauges = ("running", "waiting", "kv_usage", "kv_used", "gpu_busy", "healthy")
+        self._gauges = {k: f[k].Metric(labels=labels) for k in gauges}
         self._preemptions_seen = 0
 
     def request_finished(self, finish_reason: str | None, num_prompt_tokens: int) -> None:
@@ -81,6 +83,7 @@ class ServingMetrics:
         g["kv_used"].set(float(used))
         g["kv_usage"].set(used / total if total else 0.0)
         g["gpu_busy"].set(float(stats.get("gpu_busy_fraction", 0.0) or 0.0))
+        g["healthy"].set(1.0 if stats.get("healthy", True) else 0.0)
         preemptions = int(stats.get("num_preemptions", stats.get("preemptions", 0)) or 0)
         if preemptions > self._preemptions_seen:
             self._preemptions.increment(preemptions - self._preemptions_seen)

@@ -19,20 +19,51 @@ def _apply_pythonpath() -> None:
 
 _apply_pythonpath()
 
+import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backend import Engine, EngineConfig, EngineDead, EngineOverloaded  # noqa: E402
 from metrics import ServingMetrics  # noqa: E402
 from protocol import parse_request  # noqa: E402
-from sender import FINAL, PB_LOCK, ResponseLoop, Stream, error_response  # noqa: E402
+from sender import FINAL, ResponseLoop, Stream, error_response  # noqa: E402
 
-ADAPTER_SETTINGS = ("stats_interval_s", "log_prompts")  # config.pbtxt parameters that are not engine settings
+# config.pbtxt parameters that are not engine settings
+ADAPTER_SETTINGS = ("stats_interval_s", "log_prompts", "unload_on_engine_failure")
+
+
+def stub_numpy_problem() -> str | None:
+    """Why this stub would corrupt every tensor with the numpy it imported, or None.
+
+    The python-backend stubs of nvidia-pytriton 0.7.0 (Triton 24.10) use a pybind11 older than 2.12, which reads
+    a dtype's item size where NumPy 1.x kept it; under NumPy 2 it reads 0. Then each numeric input arrives as
+    its first element repeated, each BYTES input as its first byte repeated (the stub then dies in
+    deserialize_bytes_tensor, "unpack_from requires a buffer of at least 960051517 bytes ...", before execute()
+    runs), and each output tensor leaves empty. No code here can undo that, so the model refuses to load.
+    Such a stub names only "numpy.core.multiarray"; pybind11 >= 2.12 also names "numpy._core".
+    (scripts/tritonserver_env.py makes the same check before starting a server.)
+    """
+    if int(np.__version__.split(".")[0]) < 2:
+        return None
+    try:
+        with open("/proc/self/exe", "rb") as f:  # this process is the stub
+            exe = f.read()
+    except OSError:
+        return None
+    if b"numpy._core" in exe or b"numpy.core.multiarray" not in exe:
+        return None  # a NumPy-2-aware stub, or one we cannot tell
+    return (f"numpy {np.__version__} ({os.path.dirname(np.__file__)}) is loaded in a Python-backend stub built "
+            "for NumPy 1.x (its pybind11 predates NumPy 2): every tensor would be corrupted and the first BYTES "
+            "input would kill the stub. Install numpy<2 where the stub imports it (requirements-serve.txt pins "
+            "numpy==1.26.4), or put a folder with numpy<2 first on the server's PYTHONPATH")
 
 
 class TritonPythonModel:
     """One engine per model instance; execute() only hands requests over, the sender thread answers."""
 
     def initialize(self, args: dict) -> None:
+        problem = stub_numpy_problem()  # before the engine: fail the load now, not the first request
+        if problem:
+            raise RuntimeError(f"tandem: {problem}")
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError("config.pbtxt: the Tandem model needs model_transaction_policy { decoupled: true }")
@@ -44,18 +75,23 @@ class TritonPythonModel:
             self.engine = Engine(EngineConfig.from_dict(settings).validate())
         except ValueError as err:
             raise ValueError(f"config.pbtxt parameters: {err}") from None
-        self._log_prompts = adapter.get("log_prompts", "false").strip().lower() in ("1", "true", "yes")
+        self._log_prompts = _truthy(adapter.get("log_prompts", "false"))
         self._closing = False
         self._ids = itertools.count()
         metrics = ServingMetrics(args["model_name"], args["model_version"])
-        self.loop = ResponseLoop(self.engine, metrics, float(adapter.get("stats_interval_s", "0.5")))
+        self._model_name = args["model_name"]
+        self._unload_on_failure = _truthy(adapter.get("unload_on_engine_failure", "true")) and _instances(config) == 1
+        self.loop = ResponseLoop(self.engine, metrics, float(adapter.get("stats_interval_s", "0.5")),
+                                 on_engine_dead=self._engine_dead)
         self.loop.start()
         pb_utils.Logger.log_info(f"tandem: engine ready ({args['model_name']}, instance {args['model_instance_name']})")
 
     def execute(self, requests: list) -> None:
-        with PB_LOCK:  # why: one thread at a time in the stub (see sender.PB_LOCK)
-            for request in requests:
-                self._accept_safely(request)
+        # No lock against the sender thread: responses from another thread while execute() runs is the python
+        # backend's decoupled pattern. The "BYTES corruption under load" once blamed on that overlap was NumPy 2
+        # in a NumPy-1 stub (see stub_numpy_problem), and a lock did not change it.
+        for request in requests:
+            self._accept_safely(request)
         return None  # decoupled: every answer goes through the request's response sender
 
     def _accept_safely(self, request) -> None:
@@ -104,11 +140,39 @@ class TritonPythonModel:
         except Exception:
             return ""  # ids the tokenizer cannot decode: the engine rejects them anyway
 
+    def _engine_dead(self) -> None:
+        """The engine stopped after repeated step faults (sender thread): stop looking ready.
+
+        The python backend (Triton 24.10) has no per-instance readiness hook, so /v2/models/<name>/ready stays
+        200 while the stub lives. With explicit model control the model unloads itself, which turns readiness
+        off (a load request brings a fresh engine); otherwise, or with several instances, it stays loaded and
+        answers every request UNAVAILABLE ("the engine is not healthy"). tandem_engine_healthy reads 0 either way.
+        """
+        pb_utils.Logger.log_error("tandem: the engine stopped after repeated faults; new requests get UNAVAILABLE")
+        if not self._unload_on_failure:
+            return
+        try:
+            pb_utils.unload_model(self._model_name)  # asynchronous in Triton: returns before finalize() runs
+            pb_utils.Logger.log_error(f"tandem: unloading model {self._model_name!r} so it reports not ready")
+        except Exception as err:  # e.g. model control mode none/poll: stays loaded, answers UNAVAILABLE
+            pb_utils.Logger.log_warn(f"tandem: could not unload {self._model_name!r} ({err}); it stays loaded and "
+                                     "answers UNAVAILABLE until reloaded or restarted")
+
     def finalize(self) -> None:
         self._closing = self.loop.closing = True
         self.engine.shutdown()  # every unfinished request gets a final "abort" output in the queue
         self.loop.stop()
         pb_utils.Logger.log_info("tandem: engine stopped")
+
+
+def _truthy(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _instances(config: dict) -> int:
+    """Model instances this config starts (KIND_GPU: count per listed GPU)."""
+    groups = config.get("instance_group") or [{"count": 1}]
+    return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus") or [])) for g in groups)
 
 
 def _input(request, name: str):

@@ -5,7 +5,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import triton_python_backend_utils as pb_utils
 
@@ -29,10 +29,6 @@ class Stream:
     last_token: float | None = None
     cancelled: bool = False
 
-# One thread at a time talks to the Python backend's stub (tensors, sends, cancel checks): the stub's shared
-# memory was seen corrupting BYTES tensors under load on the GPU machine when execute() and this thread overlapped.
-PB_LOCK = threading.Lock()
-
 
 def error_response(message: str, code: Any) -> Any:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
@@ -41,9 +37,12 @@ def error_response(message: str, code: Any) -> Any:
 class ResponseLoop:
     """Owns every accepted request until its one final response is sent."""
 
-    def __init__(self, engine: Any, metrics: Any, stats_interval_s: float = 0.5):
+    def __init__(self, engine: Any, metrics: Any, stats_interval_s: float = 0.5,
+                 on_engine_dead: Callable[[], None] | None = None):
         self.queue: queue.Queue = queue.Queue()  # the engine's sink for every request
         self._engine, self._metrics, self._stats_interval = engine, metrics, stats_interval_s
+        self._on_engine_dead = on_engine_dead  # called once, from this thread, when the engine stops by itself
+        self._dead_reported = False
         self._active: dict[str, Stream] = {}
         self._thread = threading.Thread(target=self._run, name="tandem-sender", daemon=True)
         self._next_cancel_check = self._next_stats = 0.0
@@ -84,10 +83,6 @@ class ResponseLoop:
         self._fail_all("request aborted: the model is unloading", pb_utils.TritonError.UNAVAILABLE)
 
     def _safe_handle(self, out: Any) -> None:
-        with PB_LOCK:  # why: see PB_LOCK
-            self._safe_handle_locked(out)
-
-    def _safe_handle_locked(self, out: Any) -> None:
         try:
             self._handle(out)
         except Exception as err:  # never let one bad update kill the thread that answers everyone
@@ -163,6 +158,7 @@ class ResponseLoop:
             self._check_cancelled()
             if not self.closing and not self._engine.healthy:
                 self._fail_all("engine stopped; see the server log", pb_utils.TritonError.INTERNAL)
+                self._report_dead()
         if now >= self._next_stats:
             self._next_stats = now + self._stats_interval
             try:
@@ -170,11 +166,18 @@ class ResponseLoop:
             except Exception as err:
                 pb_utils.Logger.log_warn(f"tandem: engine stats unavailable: {err!r}")
 
-    def _check_cancelled(self) -> None:
-        with PB_LOCK:
-            self._check_cancelled_locked()
+    def _report_dead(self) -> None:
+        if self._dead_reported:
+            return
+        self._dead_reported = True
+        self._metrics.update_engine(self._engine.stats())  # why: the healthy gauge must drop now, not next tick
+        if self._on_engine_dead is not None:
+            try:
+                self._on_engine_dead()
+            except Exception as err:
+                pb_utils.Logger.log_warn(f"tandem: engine-dead handler failed: {err!r}")
 
-    def _check_cancelled_locked(self) -> None:
+    def _check_cancelled(self) -> None:
         for stream in list(self._active.values()):
             if stream.cancelled:
                 continue
