@@ -11,7 +11,7 @@ from .kv_cache import NULL_BLOCK
 from .ops.attention import AttentionMetadata
 from .pipeline import Pipeline, Slot, SlotLayout
 from .request import Request
-from .sampler import Sampler, SamplingTensors, _assemble, _fill_host, _fill_padding, _pad_tokens
+from .sampler import Sampler, SamplingTensors, assemble_tensors, fill_host_rows, fill_padding_rows, pad_token_table
 from .scheduler import ScheduledBatch
 from .timeline import Timeline
 
@@ -140,19 +140,19 @@ class ModelRunner:
         host_i = slot.np["sampling_i"].reshape(2, S)
         host_k = slot.np["top_k"]
         params = [r.params for r in reqs]
-        flags = _fill_host(params, [r.seed for r in reqs], [r.num_output_tokens - 1 for r in reqs],
+        flags = fill_host_rows(params, [r.seed for r in reqs], [r.num_output_tokens - 1 for r in reqs],
                            host_f[:, :n], host_i[:, :n], host_k[:n])
         if rows > n:
-            _fill_padding(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])
+            fill_padding_rows(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])
         prompt = output = None
         if flags["any_penalty"]:
-            prompt = _pad_tokens([r.prompt_token_ids for r in reqs], rows, self.device)
+            prompt = pad_token_table([r.prompt_token_ids for r in reqs], rows, self.device)
             # outputs before this step's input token; the input token itself is appended on the device
-            output = _pad_tokens([r.output_token_ids[:max(0, r.num_computed_tokens - 1 - r.num_prompt_tokens)]
+            output = pad_token_table([r.output_token_ids[:max(0, r.num_computed_tokens - 1 - r.num_prompt_tokens)]
                                   for r in reqs], rows, self.device)
         dev_f = slot.dev["sampling_f"].view(6, S)[:, :rows]
         dev_i = slot.dev["sampling_i"].view(2, S)[:, :rows]
-        tensors = _assemble(dev_f, dev_i, slot.dev["top_k"][:rows], prompt, output, flags)
+        tensors = assemble_tensors(dev_f, dev_i, slot.dev["top_k"][:rows], prompt, output, flags)
         st.read_logprobs = flags["num_logprobs"] >= 0
         st.num_top = max(0, flags["num_logprobs"])
         return tensors

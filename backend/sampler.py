@@ -80,10 +80,10 @@ class SamplingTensors:
         host_f = np.empty((_NUM_FLOAT_FIELDS, n), dtype=np.float32)
         host_i = np.empty((2, n), dtype=np.int64)
         host_k = np.empty((n,), dtype=np.int32)
-        flags = _fill_host(params, seeds, step_indices, host_f, host_i, host_k)
+        flags = fill_host_rows(params, seeds, step_indices, host_f, host_i, host_k)
         dev_f, dev_i, dev_k = (_to_device(a, device) for a in (host_f, host_i, host_k))
         prompt, output = _penalty_tokens(flags["any_penalty"], prompt_token_ids, output_token_ids, n, device)
-        return _assemble(dev_f, dev_i, dev_k, prompt, output, flags)
+        return assemble_tensors(dev_f, dev_i, dev_k, prompt, output, flags)
 
 
 class SamplingBuffers:
@@ -125,17 +125,17 @@ class SamplingBuffers:
         if not 1 <= size <= self.max_batch_size or size < n:
             raise ValueError(f"batch_size must be in [{max(n, 1)}, {self.max_batch_size}], got {size}")
         host_f, host_i, host_k = self._host_f.numpy(), self._host_i.numpy(), self._host_k.numpy()
-        flags = _fill_host(params, seeds, step_indices, host_f[:, :n], host_i[:, :n], host_k[:n])
-        _fill_padding(host_f[:, n:size], host_i[:, n:size], host_k[n:size])
+        flags = fill_host_rows(params, seeds, step_indices, host_f[:, :n], host_i[:, :n], host_k[:n])
+        fill_padding_rows(host_f[:, n:size], host_i[:, n:size], host_k[n:size])
         non_blocking = self.device.type == "cuda"
         self._dev_f[:, :size].copy_(self._host_f[:, :size], non_blocking=non_blocking)
         self._dev_i[:, :size].copy_(self._host_i[:, :size], non_blocking=non_blocking)
         self._dev_k[:size].copy_(self._host_k[:size], non_blocking=non_blocking)
         prompt, output = _penalty_tokens(flags["any_penalty"], prompt_token_ids, output_token_ids, size, self.device)
-        return _assemble(self._dev_f[:, :size], self._dev_i[:, :size], self._dev_k[:size], prompt, output, flags)
+        return assemble_tensors(self._dev_f[:, :size], self._dev_i[:, :size], self._dev_k[:size], prompt, output, flags)
 
 
-def _fill_host(params, seeds, step_indices, host_f, host_i, host_k) -> dict:
+def fill_host_rows(params, seeds, step_indices, host_f, host_i, host_k) -> dict:
     """Write per-row settings into host arrays (6, n) f32, (2, n) i64, (n,) i32; return the host flags."""
     n = len(params)
     if len(seeds) != n or len(step_indices) != n:
@@ -173,7 +173,7 @@ def _seeds_array(seeds: Sequence[int]) -> np.ndarray:
         return np.fromiter((int(s) & _MASK64 for s in seeds), dtype=np.uint64, count=len(seeds)).view(np.int64)
 
 
-def _fill_padding(host_f, host_i, host_k) -> None:
+def fill_padding_rows(host_f, host_i, host_k) -> None:
     """Neutral greedy settings for padding rows (their tokens are dropped)."""
     host_f[:] = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)[:, None]
     host_i[:] = 0
@@ -193,10 +193,10 @@ def _penalty_tokens(any_penalty, prompt_token_ids, output_token_ids, size, devic
         return None, None
     if prompt_token_ids is None or output_token_ids is None:
         raise ValueError("penalties need prompt_token_ids and output_token_ids for every row")
-    return _pad_tokens(prompt_token_ids, size, device), _pad_tokens(output_token_ids, size, device)
+    return pad_token_table(prompt_token_ids, size, device), pad_token_table(output_token_ids, size, device)
 
 
-def _pad_tokens(rows: Sequence[Sequence[int]], size: int, device: torch.device) -> torch.Tensor:
+def pad_token_table(rows: Sequence[Sequence[int]], size: int, device: torch.device) -> torch.Tensor:
     """Ragged token lists to a (size, max_len) int64 table padded with -1, in one C-level pass."""
     if len(rows) > size:
         raise ValueError(f"got token lists for {len(rows)} rows, batch has {size}")
@@ -212,7 +212,7 @@ def _pad_tokens(rows: Sequence[Sequence[int]], size: int, device: torch.device) 
     return _to_device(table, device)
 
 
-def _assemble(dev_f, dev_i, dev_k, prompt, output, flags) -> SamplingTensors:
+def assemble_tensors(dev_f, dev_i, dev_k, prompt, output, flags) -> SamplingTensors:
     temperature, top_p, min_p, rep, pres, freq = dev_f
     return SamplingTensors(
         temperature=temperature, top_k=dev_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
