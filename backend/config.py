@@ -1,7 +1,7 @@
 """EngineConfig: every engine setting, validated once with errors that say what to fix."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -34,7 +34,6 @@ class EngineConfig:
     max_stop_string_length: int = 256
     cache_dir: str | None = None  # where the built-in model is converted to safetensors
     test_fault_every_n_steps: int = 0  # test hook: every n-th step raises (0 = off); never set in production
-    extra: dict[str, Any] = field(default_factory=dict)  # free-form settings for tests and tools
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
