@@ -47,5 +47,12 @@ loadtest: venv
 	    --protocol $(LOADTEST_PROTOCOL) --max-tokens $(LOADTEST_MAX_TOKENS) \
 	    $(if $(LOADTEST_HOST),--host $(LOADTEST_HOST)) $(LOADTEST_ARGS)
 
+SOAK_DURATION ?= 600
+SOAK_ARGS ?=
+
+# starts its own tritonserver (default model); out/soak/<time>/summary.json; non-zero exit on any missed criterion
+soak: venv
+	$(PY) -m loadtest.soak --duration $(SOAK_DURATION) $(SOAK_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache

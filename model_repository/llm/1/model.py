@@ -126,8 +126,9 @@ class TritonPythonModel:
                 code, msg = pb_utils.TritonError.UNAVAILABLE, f"the engine is not running: {err}"
             else:
                 code, msg = pb_utils.TritonError.INTERNAL, f"could not start the request: {err!r}"
-            if self.loop.claim(request_id) is not None:
-                sender.send(error_response(msg, code), flags=FINAL)
+            # the sender thread answers it: only that thread sends on a registered stream or asks is_cancelled(),
+            # so no sender is queried after its final response freed it (seen as a segfault in a soak)
+            self.loop.fail(request_id, msg, code)
 
     def _prefix(self, req) -> str:
         """The prompt text a non-streaming response starts with (vLLM's exclude_input_in_output=false)."""

@@ -16,6 +16,15 @@ CANCEL_CHECK_INTERVAL_S = 0.1  # is_cancelled() is an IPC round trip: sweep, don
 _STOP = object()
 
 
+@dataclass
+class _Failure:
+    """A registered request that could not start: the sender thread sends its error."""
+
+    request_id: str
+    message: str
+    code: Any
+
+
 @dataclass(slots=True, eq=False)
 class Stream:
     """Adapter-side state of one accepted request."""
@@ -58,6 +67,10 @@ class ResponseLoop:
         """Take a request out of the loop; whoever claims it sends its final response (dict.pop is atomic)."""
         return self._active.pop(request_id, None)
 
+    def fail(self, request_id: str, message: str, code: Any) -> None:
+        """Answer a registered request with an error, from the sender thread (any thread may call this)."""
+        self.queue.put(_Failure(request_id, message, code))
+
     def stop(self, timeout: float = 30.0) -> None:
         """Call after engine.shutdown(): its final outputs are queued ahead of the stop marker."""
         self.queue.put(_STOP)
@@ -83,6 +96,11 @@ class ResponseLoop:
         self._fail_all("request aborted: the model is unloading", pb_utils.TritonError.UNAVAILABLE)
 
     def _safe_handle(self, out: Any) -> None:
+        if isinstance(out, _Failure):
+            stream = self.claim(out.request_id)
+            if stream is not None:
+                self._send(stream, error_response(out.message, out.code), FINAL)
+            return
         try:
             self._handle(out)
         except Exception as err:  # never let one bad update kill the thread that answers everyone
