@@ -1,6 +1,7 @@
 """Triton entry point: a thin adapter between Triton's decoupled requests and the Tandem engine."""
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -164,6 +165,10 @@ class TritonPythonModel:
         self.engine.shutdown()  # every unfinished request gets a final "abort" output in the queue
         self.loop.stop()
         pb_utils.Logger.log_info("tandem: engine stopped")
+        # why: metric objects destroyed during the stub's own teardown crash it (segfault at exit); free them
+        # while the stub is still whole
+        self.loop = self.engine = None
+        gc.collect()
 
 
 def _truthy(text: str) -> bool:
