@@ -1,0 +1,23 @@
+"""The whole engine loop with the stand-in model: every request gets exactly its tokens, in both modes."""
+import pytest
+
+from backend import Engine, EngineConfig, SamplingParams
+from backend.models.random_model import byte_tokenizer
+from backend.standin import StandInModel, expected_tokens
+from tests.tiny_models import random_prompts
+
+
+@pytest.mark.parametrize("async_pipeline", [False, True], ids=["sync", "async"])
+def test_every_request_gets_exactly_its_tokens(async_pipeline):
+    model = StandInModel(vocab_size=512)
+    engine = Engine(EngineConfig(model="stand-in", device="cpu", num_kv_blocks=2048, max_num_seqs=64,
+                                 max_num_batched_tokens=1024, async_pipeline=async_pipeline),
+                    model=model, tokenizer=byte_tokenizer())
+    try:
+        prompts = random_prompts([(7 * i) % 90 + 1 for i in range(96)], seed=3)  # more requests than seats
+        lengths = [(13 * i) % 60 + 1 for i in range(96)]
+        outs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
+        assert [o.token_ids for o in outs] == [expected_tokens(p, n, 512) for p, n in zip(prompts, lengths)]
+        assert engine.stats()["kv_blocks_used"] == 0
+    finally:
+        engine.shutdown()
