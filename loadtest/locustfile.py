@@ -6,9 +6,12 @@ Custom options (also as environment variables LOADTEST_*): --protocol, --model, 
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
 import random
+import sys
 import time
 
 import gevent
@@ -65,6 +68,25 @@ def on_test_start(environment, **_):
 def on_test_stop(environment, **_):
     if _samples_file is not None:
         _samples_file.flush()
+
+
+_exit_code = [0]
+
+
+@events.quitting.add_listener
+def remember_exit_code(environment, **_):
+    _exit_code[0] = environment.process_exit_code or 0
+
+
+def _exit_now() -> None:
+    """Leave before grpcio's own exit handlers: under gevent, closing a channel at interpreter exit can block
+    forever (seen with py-spy), and Locust would never return. Stats and CSVs are written by then."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_code[0])
+
+
+atexit.register(_exit_now)  # registered after grpc's import, so it runs before grpc's handlers (LIFO)
 
 
 def _record(row: dict) -> None:
