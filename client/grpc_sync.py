@@ -24,6 +24,8 @@ class GrpcStreamer:
     def stream(self, req: GenerateRequest) -> Iterator[Chunk]:
         """Yield chunks as they arrive; closing the generator early cancels the request on the server."""
         responses: queue.Queue = queue.Queue()
+        # a previous stream whose generator was dropped unclosed still holds the client's one stream: end it
+        self._client.stop_stream(cancel_requests=True)
         self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
         done = False
         try:

@@ -200,7 +200,11 @@ def test_200_random_cancels_lose_nothing(triton_server):
     assert received > 0 and 0 <= extra <= allowed, summary
 
     finished = {k: v - finished_before.get(k, 0.0) for k, v in metrics.finished().items()}
-    assert finished.get("abort", 0) == NUM_REQUESTS, f"finish reasons during the storm: {finished}"
+    # a cancel that lands before Triton hands the request to the model never reaches the engine: only requests
+    # cancelled before their first token may be missing from the aborts
+    early = sum(1 for o in outcomes if o.tokens == 0)
+    assert NUM_REQUESTS - early <= finished.get("abort", 0) <= NUM_REQUESTS, (
+        f"finish reasons during the storm: {finished}; {early} cancelled before any token")
     assert not any(finished.get(k, 0) for k in ("error", "length", "stop")), finished
 
     assert "response for request" not in triton_server.log_path.read_bytes()[log_start:].decode(errors="replace")
