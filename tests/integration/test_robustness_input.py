@@ -16,7 +16,9 @@ import tritonclient.grpc as grpcclient
 
 from backend import Engine, EngineConfig, SamplingParams
 from tests.integration.conftest import close_server, launch_server
-from tests.integration.test_triton_serving import GrpcStream, grpc_inputs, http_generate, scrape, wait_for
+from tests.integration.test_triton_serving import (
+    GrpcStream, grpc_inputs, http_generate, run_on_streams, scrape, wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -203,16 +205,9 @@ def test_kv_pressure_queues_and_preempts_and_matches_offline(small_kv_server):
         want = [o.token_ids for o in engine.generate(OVERLOAD_PROMPTS, SamplingParams(**OVERLOAD_SAMPLING))]
     finally:
         engine.shutdown()
-    streams = [GrpcStream(small_kv_server) for _ in range(4)]
-    try:
-        for i, prompt in enumerate(OVERLOAD_PROMPTS):
-            streams[i % 4].send(f"o{i}", grpc_inputs(prompt, sampling=OVERLOAD_SAMPLING, return_output_ids=True))
-        results = {}
-        for s in streams:
-            results.update(s.wait_all(timeout=150))
-    finally:
-        for s in streams:
-            s.close()
+    results = run_on_streams(small_kv_server, {
+        f"o{i}": grpc_inputs(prompt, sampling=OVERLOAD_SAMPLING, return_output_ids=True)
+        for i, prompt in enumerate(OVERLOAD_PROMPTS)})
     bad = {rid: got.errors for rid, got in results.items() if got.errors or got.finals != 1}
     assert not bad, f"requests that failed under KV pressure: {bad}"
     wrong = [i for i in range(32) if results[f"o{i}"].output("output_ids") != want[i]]

@@ -233,17 +233,25 @@ def test_http_generate_stream_sse(triton_server, reference):
     assert events[-1]["finish_reason"] == ref.finish_reason
 
 
-def test_64_concurrent_streams(triton_server, reference):
-    streams = [GrpcStream(triton_server) for _ in range(4)]  # 4 gRPC streams x 16 requests
+def run_on_streams(server, requests: dict, num_streams: int = 4, timeout: float = 150) -> dict:
+    """Send {request_id: inputs} spread over a few gRPC streams at once; every request's collected responses."""
+    streams = [GrpcStream(server) for _ in range(num_streams)]
     try:
-        for i in range(64):
-            streams[i % 4].send(f"c{i}", grpc_inputs(PROMPTS[i % len(PROMPTS)], sampling=GREEDY))
+        for i, (rid, inputs) in enumerate(requests.items()):
+            streams[i % num_streams].send(rid, inputs)
         results = {}
         for s in streams:
-            results.update(s.wait_all(timeout=150))
+            results.update(s.wait_all(timeout=timeout))
     finally:
         for s in streams:
             s.close()
+    return results
+
+
+def test_64_concurrent_streams(triton_server, reference):
+    # 4 gRPC streams x 16 requests
+    results = run_on_streams(triton_server, {f"c{i}": grpc_inputs(PROMPTS[i % len(PROMPTS)], sampling=GREEDY)
+                                             for i in range(64)})
     assert len(results) == 64
     wrong = [rid for rid, got in results.items()
              if got.errors or got.finals != 1 or got.text() != reference[PROMPTS[int(rid[1:]) % len(PROMPTS)]].text]
