@@ -29,8 +29,9 @@ test-integration: venv
 test-gpu:
 	python3 -m pytest tests/gpu -q
 
+SERVE_ARGS ?=
 serve: venv
-	$(PY) -m scripts.serve
+	$(PY) -m scripts.serve $(SERVE_ARGS)
 
 bench: venv
 	$(PY) -m backend.bench --workload cpu-tiny --compare transformers

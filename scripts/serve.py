@@ -5,8 +5,11 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
-from scripts.tritonserver_env import REPO_ROOT, find_triton, start_server, stop_server, wait_until_ready
+from scripts.tritonserver_env import (REPO_ROOT, find_triton, make_model_repository, start_server, stop_server,
+                                     wait_until_ready)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -18,8 +21,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-port", type=int, default=int(env("TANDEM_METRICS_PORT", "8002")))
     p.add_argument("--model-name", default="llm", help="model to wait for before printing the usage")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the model to load")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config.pbtxt parameter (repeatable), e.g. --param model=random:llama-3-8b; "
+                        "serves a temporary copy of the model repository")
     args, extra = p.parse_known_args(argv)
     args.extra = [a for a in extra if a != "--"]
+    args.params = {}
+    for item in args.param:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            p.error(f"--param takes KEY=VALUE, got {item!r}")
+        args.params[key.strip()] = value.strip()
     return args
 
 
@@ -39,6 +51,14 @@ Ctrl-C stops the server.
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.params:
+        if Path(args.model_repository).resolve() != (REPO_ROOT / "model_repository").resolve():
+            print("error: --param edits a copy of this repository's model_repository; edit your own "
+                  f"{args.model_repository} instead", file=sys.stderr)
+            return 2
+        target = Path(tempfile.mkdtemp(prefix="tandem-serve-"))
+        args.model_repository = str(make_model_repository(target, args.params, args.model_name))
+        print(f"model repository: {args.model_repository} (parameters {args.params})", flush=True)
     install = find_triton()
     print(f"tritonserver: {install.binary}", flush=True)
     try:

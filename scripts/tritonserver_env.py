@@ -83,7 +83,10 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     # The stub's interpreter knows nothing of this venv: give it the repo and the venv's packages
     # (after any PYTHONPATH the caller set on purpose).
     caller = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(caller + [str(REPO_ROOT), site_packages]))
+    # TANDEM_SERVER_PYTHONPATH: folders for the server's stubs only, first of all (e.g. numpy<2 for a stub built
+    # for NumPy 1 on a machine whose Python has NumPy 2), leaving this process's own imports alone.
+    server_only = [p for p in env.get("TANDEM_SERVER_PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(server_only + caller + [str(REPO_ROOT), site_packages]))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

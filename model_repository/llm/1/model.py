@@ -22,6 +22,9 @@ _apply_pythonpath()
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from numpy_compat import hide_packages_needing_numpy2  # noqa: E402
+
+HIDDEN_FOR_NUMPY1 = hide_packages_needing_numpy2()  # before transformers is imported: see numpy_compat
 
 from backend import Engine, EngineConfig, EngineDead, EngineOverloaded  # noqa: E402
 from metrics import ServingMetrics  # noqa: E402
@@ -85,6 +88,9 @@ class TritonPythonModel:
         self.loop = ResponseLoop(self.engine, metrics, float(adapter.get("stats_interval_s", "0.5")),
                                  on_engine_dead=self._engine_dead)
         self.loop.start()
+        if HIDDEN_FOR_NUMPY1:
+            pb_utils.Logger.log_info(f"tandem: numpy {np.__version__}: hid packages that need NumPy 2: "
+                                     f"{', '.join(HIDDEN_FOR_NUMPY1)}")
         pb_utils.Logger.log_info(f"tandem: engine ready ({args['model_name']}, instance {args['model_instance_name']})")
 
     def execute(self, requests: list) -> None:
