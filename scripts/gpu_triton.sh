@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# GPU machine, one call: Tandem served by a real tritonserver (the one carried from the nvidia-pytriton wheel),
+# compared with the engine alone (scripts.serve_bench), then Locust at 32, 64 and 128 users. Figures under $OUT.
+#
+# The machine has no registry: carry `.whl/` (git-ignored) holding pytriton-trim.tar.xz (the wheel's pytriton/ and
+# nvidia_pytriton.libs/ without what a Python 3.12 server doesn't need), numpy-1.26.4 (the wheel's stub needs
+# NumPy 1), tritonclient + python-rapidjson, and locust with the dependencies the machine lacks (README, GPU).
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+PY=${PY:-python3}
+MODEL=${MODEL:-random:llama-3-8b}
+NEW_TOKENS=${NEW_TOKENS:-512}
+SITE=/tmp/tandem-site; NUMPY1=/tmp/tandem-numpy1
+mkdir -p "$SITE" "$NUMPY1"
+tar xJf .whl/pytriton-trim.tar.xz -C "$SITE"
+"$PY" -m pip install -q --no-index --no-deps --target "$SITE" $(ls .whl/*.whl | grep -v '/numpy-') 2>&1 | tail -2
+"$PY" -m pip install -q --no-index --no-deps --target "$NUMPY1" .whl/numpy-*.whl 2>&1 | tail -2
+export PYTHONPATH="$SITE" TANDEM_SERVER_PYTHONPATH="$NUMPY1"
+
+if [ "${SERVE_BENCH:-1}" = 1 ]; then
+  timeout "${T_SERVE_BENCH:-330}" "$PY" -m scripts.serve_bench --model "$MODEL" --concurrency "${LEVELS:-32,64,128}" \
+    --new-tokens "$NEW_TOKENS" --log /tmp/serve_bench_server.log > "$OUT/serve_bench.log" 2>&1
+  grep -E "^E[0-9]|tandem:" /tmp/serve_bench_server.log | cut -c1-600 >> "$OUT/serve_bench.log"
+  grep -E "^triton|^engine|Error|error:|^E[0-9]" "$OUT/serve_bench.log" | cut -c1-400
+fi
+
+if [ "${LOCUST:-1}" = 1 ]; then
+  "$PY" -m scripts.serve --param "model=$MODEL" --param max_num_seqs=128 --param max_model_len=4096 \
+    > "$OUT/locust_server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do grep -q "Ctrl-C stops" "$OUT/locust_server.log" && break; kill -0 $server || break; sleep 1; done
+  for users in ${USERS:-32 64 128}; do
+    timeout "${T_LOCUST:-120}" "$PY" -m loadtest.run --users "$users" --spawn-rate "$users" \
+      --duration "${LOCUST_DURATION:-60}" --max-tokens "$NEW_TOKENS" --ignore-eos --out "/tmp/lt$users" \
+      > "/tmp/lt$users.log" 2>&1
+    echo "users=$users rc=$?: $(tail -2 /tmp/lt$users.log | head -1)"
+    cp "/tmp/lt$users/summary.json" "$OUT/locust_$users.json" 2>/dev/null
+  done
+  last=$(echo ${USERS:-32 64 128} | awk '{print $NF}')
+  for png in /tmp/lt$last/*.png; do [ -e "$png" ] && cp "$png" "$OUT/locust_${last}_$(basename "$png")"; done
+  kill -TERM $server; wait $server; echo "server exit: $?"
+fi
+ls "$OUT"
