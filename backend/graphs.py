@@ -5,6 +5,10 @@ sampled tokens at fixed addresses, and writes logits into one buffer outside the
 intermediates can be freed back to the shared pool after capture: N and N+1 never run at once, so the
 two slots' graphs cost about one graph's memory. Prefill and mixed steps run eagerly: their token counts
 and query lengths vary every step, and they are a small share of a long generation's steps.
+
+Without CUDA the same object runs each "replay" eagerly (graphs as no-ops), with one bucket per batch size so no
+padding rows are computed: CI exercises the decode-graph step (carry-over inside the body, the greedy pick as the
+final token) on the CPU.
 """
 from __future__ import annotations
 
@@ -20,15 +24,18 @@ class DecodeGraphs:
 
     def __init__(self, runner, max_graph_batch: int) -> None:
         self.runner = runner
+        self.eager = runner.device.type != "cuda"
         limit = min(max_graph_batch, runner.layout.max_seqs, runner.layout.max_tokens)
-        self.buckets = [b for b in _BUCKETS if b <= limit]
+        self.buckets = list(range(1, limit + 1)) if self.eager else [b for b in _BUCKETS if b <= limit]
         if not self.buckets or self.buckets[-1] < limit:
             self.buckets.append(limit)
-        self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.memory: dict[str, int] = {}
+        if self.eager:
+            return
+        self.pool = torch.cuda.graph_pool_handle()
         vocab = runner.model.spec.vocab_size
         self.logits = torch.empty(self.buckets[-1], vocab, dtype=torch.float32, device=runner.device)
-        self.memory: dict[str, int] = {}
 
     def bucket_for(self, batch_size: int) -> int | None:
         i = bisect.bisect_left(self.buckets, batch_size)
@@ -36,6 +43,8 @@ class DecodeGraphs:
 
     def capture_all(self) -> None:
         """Capture every bucket for both slots, largest first so smaller graphs reuse its pool memory."""
+        if self.eager:
+            return
         pipe = self.runner.pipeline
         torch.cuda.synchronize(self.runner.device)
         base = torch.cuda.memory_reserved(self.runner.device)
@@ -59,15 +68,19 @@ class DecodeGraphs:
         d["query_start_loc"].copy_(torch.arange(d["query_start_loc"].numel(), dtype=torch.int32))
         d["logits_idx"].copy_(torch.arange(d["logits_idx"].numel()))
 
-    def _body(self, slot, prev_slot, bucket: int) -> None:
+    def _body(self, slot, prev_slot, bucket: int, width: int | None = None, max_len: int | None = None
+              ) -> torch.Tensor:
+        """Carry-over, forward, logits, greedy pick; fixed shapes (the whole block table) unless given."""
         r = self.runner
         ids = r.carry_over(slot, prev_slot, bucket)
-        width = r.layout.max_blocks
-        meta = r.metadata(slot, bucket, bucket, width, 1, width * r.block_size)
+        width = width or r.layout.max_blocks
+        meta = r.metadata(slot, bucket, bucket, width, 1, max_len or width * r.block_size)
         hidden = r.model(ids, slot.dev["positions"][:bucket], r.kv_cache, meta)  # (bucket, H)
         logits = r.model.compute_logits(hidden)  # (bucket, V)
-        self.logits[:bucket].copy_(logits)  # outside the pool: read by the eager sampler when one runs
+        if not self.eager:
+            self.logits[:bucket].copy_(logits)  # outside the pool: read by the eager sampler when one runs
         slot.out_tokens[:bucket].copy_(logits.argmax(dim=-1))  # greedy tokens, final for all-greedy steps
+        return logits
 
     def _capture(self, slot, prev_slot, bucket: int) -> None:
         stream = self.runner.pipeline.compute_stream
@@ -80,7 +93,11 @@ class DecodeGraphs:
             self._body(slot, prev_slot, bucket)
         self.graphs[(slot.index, bucket)] = graph
 
-    def replay(self, slot, bucket: int) -> torch.Tensor:
-        """Replay on the current (compute) stream; returns the (bucket, V) logits buffer."""
+    def replay(self, slot, bucket: int, width: int, max_len: int) -> torch.Tensor:
+        """Replay on the current (compute) stream; returns the (bucket, V) logits.
+
+        A captured graph reads the whole block table; the eager body on the CPU only `width` columns."""
+        if self.eager:
+            return self._body(slot, self.runner.pipeline.other(slot), bucket, width, max_len)
         self.graphs[(slot.index, bucket)].replay()
         return self.logits[:bucket]

@@ -136,7 +136,8 @@ class Pipeline:
             tl.gpu_begin("h2d", self.h2d_stream)
             slot.dev_i64[:n_i64].copy_(slot.host_i64[:n_i64], non_blocking=True)
             slot.dev_i32[:n_i32].copy_(slot.host_i32[:n_i32], non_blocking=True)
-            slot.dev_f32[:n_f32].copy_(slot.host_f32[:n_f32], non_blocking=True)
+            if n_f32:  # 0: a plain-greedy graph step reads no sampling settings
+                slot.dev_f32[:n_f32].copy_(slot.host_f32[:n_f32], non_blocking=True)
             tl.gpu_end("h2d", self.h2d_stream)
             # why: compute may start only once this step's inputs are on the device
             slot.h2d_done.record(self.h2d_stream)

@@ -55,7 +55,7 @@ class ModelRunner:
         self.vocab_size = model.spec.vocab_size
         self.sampler.vocab_hash(self.vocab_size, device)  # cached before any graph capture
         self.graphs: DecodeGraphs | None = None
-        if use_graphs and device.type == "cuda":
+        if use_graphs:  # without CUDA: the same decode-graph step, run eagerly
             self.graphs = DecodeGraphs(self, max_graph_batch)
             self.graphs.capture_all()
 
@@ -164,9 +164,20 @@ class ModelRunner:
         bucket = None
         if self.graphs is not None and batch.is_decode_only and len(st.sampled) == B:
             bucket = self.graphs.bucket_for(B)
-        if bucket is not None:
+        if bucket is not None and bucket > B:
             self._pad_decode(slot, B, bucket)
         rows = bucket or len(st.sampled)
+        width = max(1, max(len(r.block_ids) for r in batch.requests))
+        max_len = max(r.num_computed_tokens for r in batch.requests)
+        n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
+        if bucket is not None and all(r.plain_greedy for r in st.sampled):
+            # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare
+            def replay_only() -> int:
+                self.graphs.replay(slot, bucket, width, max_len)
+                return rows
+
+            self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, 0, replay_only, False)
+            return
         sampling = self._sampling(st, rows) if rows else None
         if bucket is not None and sampling.any_penalty:
             bucket = None  # penalty tables vary in width: run this step eagerly
@@ -175,11 +186,10 @@ class ModelRunner:
         banned = self._banned_stop_tokens(st.sampled)
         prev_slot = self.pipeline.other(slot)
         has_carry = prev is not None and bool(prev.row_of)
-        width = max(1, max(len(r.block_ids) for r in batch.requests))
 
         def compute() -> int:
             if bucket is not None:
-                logits = self.graphs.replay(slot, bucket)  # carry-over + forward + logits, captured
+                logits = self.graphs.replay(slot, bucket, width, max_len)  # carry-over + forward + logits
             else:
                 logits = self._eager_forward(slot, B, T, width, batch, prev_slot if has_carry else None,
                                              len(st.sampled))
@@ -201,7 +211,6 @@ class ModelRunner:
                 slot.out_top_logprobs[:rows, :k].copy_(out.top_logprobs)
             return rows
 
-        n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
         self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, slot.host_f32.numel(), compute,
                              st.read_logprobs)
 

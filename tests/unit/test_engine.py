@@ -30,15 +30,17 @@ def greedy(n, **kw):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
+@pytest.mark.parametrize("graphs", [pytest.param(True, id="graph-step"), pytest.param(False, id="eager-step")])
 @pytest.mark.parametrize("async_pipeline", MODES)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_greedy_batch_equals_transformers(root, family, async_pipeline):
-    """Mixed lengths (some longer than the step's token budget: chunked prefill), finishing at different steps."""
+def test_greedy_batch_equals_transformers(root, family, async_pipeline, graphs):
+    """Mixed lengths (some longer than the step's token budget: chunked prefill), finishing at different steps.
+    graph-step: decode steps take the decode-graph body (run eagerly on the CPU); eager-step: the plain path."""
     path = build_tiny(family, root)
     prompts = random_prompts([3, 30, 9, 57, 1, 16, 22, 5])
     lengths = [12, 20, 7, 16, 3, 20, 9, 14]
     want = [hf_greedy(path, p, n) for p, n in zip(prompts, lengths)]
-    engine = make_engine(path, async_pipeline)
+    engine = make_engine(path, async_pipeline, cuda_graphs=graphs)
     try:
         outs = engine.generate(prompts, [greedy(n) for n in lengths])
         assert [o.token_ids for o in outs] == want
@@ -196,7 +198,12 @@ def test_seeded_sampling_is_reproducible_across_batches(root, async_pipeline):
         again = engine.generate([prompt], params)[0].token_ids
     finally:
         engine.shutdown()
-    assert alone == mixed == again
+    engine = make_engine(path, async_pipeline, cuda_graphs=False)  # the sampler reads eager logits, not a graph's
+    try:
+        eager = engine.generate([prompt], params)[0].token_ids
+    finally:
+        engine.shutdown()
+    assert alone == mixed == again == eager
     assert alone != other_seed
 
 
