@@ -295,9 +295,8 @@ class Engine:
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
         n_out = len(req.output_token_ids)
-        if n_out > p.min_tokens:  # an EOS before min_tokens does not end the request
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_token_ids):
-                return FINISH_STOP
+        if tok in req.stop_ids and n_out > p.min_tokens:  # an EOS before min_tokens does not end the request
+            return FINISH_STOP
         if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FINISH_LENGTH
         return None

@@ -152,12 +152,14 @@ class Request:
     num_output_tokens: int = 0  # outputs + tokens still on the device
     # greedy, no logprobs, penalties or min_tokens: a decode graph's own argmax is its final token
     plain_greedy: bool = False
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the request: stop_token_ids, and EOS unless ignored
 
     def __post_init__(self) -> None:
         p = self.params
         self.plain_greedy = (p.temperature == 0.0 and p.logprobs is None and p.min_tokens == 0
                              and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
                              and p.frequency_penalty == 0.0)
+        self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending
         self.num_output_tokens = len(self.output_token_ids) + self.num_pending

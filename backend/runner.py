@@ -219,7 +219,7 @@ class ModelRunner:
         rows, toks = [], []
         for j, r in enumerate(sampled):
             if r.params.min_tokens and r.num_output_tokens - 1 < r.params.min_tokens:
-                stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
+                stops = r.stop_ids
                 rows += [j] * len(stops)
                 toks += sorted(stops)
         if not rows:
