@@ -16,6 +16,7 @@ from client.urls import DEFAULT_URLS
 from loadtest.charts import write_all
 from loadtest.prompts import DEFAULT_PROMPTS
 from loadtest.report import read_csv, summarize, table
+from loadtest.server_watch import ServerWatch
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 REPO_ROOT = LOCUSTFILE.parent.parent
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="output folder (default: out/loadtest/<time>)")
     p.add_argument("--slo-ttft-p95-ms", type=float)
     p.add_argument("--slo-itl-p95-ms", type=float)
+    p.add_argument("--metrics-url", help="the server's Prometheus endpoint (e.g. http://localhost:8002/metrics): "
+                                         "the summary adds its GPU busy, KV usage, queue and token figures")
     args = p.parse_args(argv)
     if args.users < 1 or args.duration <= 0 or args.spawn_rate <= 0:
         p.error("--users, --duration and --spawn-rate must be positive")
@@ -92,12 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     prefix, samples, log = args.out / "locust", args.out / "samples.jsonl", args.out / "locust.log"
     samples.unlink(missing_ok=True)
     print(f"load test: {json.dumps(settings(args))}", flush=True)
+    watch = ServerWatch(args.metrics_url, args.model).start() if args.metrics_url else None
     code = run_locust(locust_command(args, prefix, samples), log, args.duration)
+    server = watch.stop() if watch else None
     if not Path(f"{prefix}_stats.csv").exists():
         print(f"error: locust exited with {code} and wrote no stats; see {log}:\n{log.read_text()[-2000:]}",
               file=sys.stderr)
         return 2
     summary = summarize(prefix, samples, settings(args), args.slo_ttft_p95_ms, args.slo_itl_p95_ms)
+    if server is not None:
+        summary["server"] = server
+        print(f"server: {json.dumps(server)}")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     charts = write_all(read_csv(Path(f"{prefix}_stats_history.csv")), summary, args.out)
     print(table(summary))

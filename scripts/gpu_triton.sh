@@ -33,6 +33,7 @@ if [ "${LOCUST:-1}" = 1 ]; then
   for users in ${USERS:-32 64 128}; do
     timeout "${T_LOCUST:-120}" "$PY" -m loadtest.run --users "$users" --spawn-rate "$users" \
       --duration "${LOCUST_DURATION:-60}" --max-tokens "$NEW_TOKENS" --ignore-eos --out "/tmp/lt$users" \
+      --metrics-url http://localhost:8002/metrics \
       > "/tmp/lt$users.log" 2>&1
     echo "users=$users rc=$?: $(tail -2 /tmp/lt$users.log | head -1)"
     cp "/tmp/lt$users/summary.json" "$OUT/locust_$users.json" 2>/dev/null

@@ -134,7 +134,7 @@ def test_loadtest_runner_headless(triton_server, tmp_path, protocol, duration):
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest.run", "--users", "4", "--spawn-rate", "4", "--duration", str(duration),
          "--protocol", protocol, "--host", host, "--model", triton_server.model_name, "--max-tokens", "16",
-         "--prompts", str(short_prompts(tmp_path)), "--out", str(out)],
+         "--prompts", str(short_prompts(tmp_path)), "--out", str(out), "--metrics-url", triton_server.metrics_url],
         cwd=REPO, capture_output=True, text=True, timeout=duration + 180)
     log = (out / "locust.log").read_text() if (out / "locust.log").exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + log
@@ -147,3 +147,8 @@ def test_loadtest_runner_headless(triton_server, tmp_path, protocol, duration):
     assert (out / "locust_stats_history.csv").exists()
     for png in ("throughput.png", "latency_over_time.png", "latency_percentiles.png"):
         assert (out / png).stat().st_size > 1000, png
+    server = summary["server"]  # the server's own view of the same window (--metrics-url)
+    assert server["samples"] >= 3 and "scrape_errors" not in server, server
+    # completed requests' tokens, plus any cut off when the test stopped
+    assert server["generated_tokens"] >= summary["requests"] * summary["output_tokens_mean"] - 0.5, server
+    assert 1 <= server["running"]["max"] <= 4 and server["preemptions"] == 0, server

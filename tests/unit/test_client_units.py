@@ -239,3 +239,22 @@ def test_locustfile_refuses_bad_settings_up_front():
                            "-t", "30s", "--host", "localhost:1", "--temperature", "-1"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "temperature must be >= 0" in proc.stderr
+
+
+def test_server_watch_summary_counts_deltas_and_gauge_statistics():
+    from loadtest.server_watch import ServerWatch
+
+    watch = ServerWatch("http://127.0.0.1:9/metrics", "llm")
+    assert watch.summary() == {"error": "fewer than two samples of the metrics endpoint"}
+    watch.samples = [
+        {"tandem_generation_tokens_total": 100.0, "tandem_preemptions_total": 1.0, "tandem_num_requests_running": 0.0},
+        {"tandem_generation_tokens_total": 150.0, "tandem_num_requests_running": 4.0, "tandem_gpu_busy_ratio": 0.5},
+        {"tandem_generation_tokens_total": 220.0, "tandem_num_requests_running": 2.0, "tandem_gpu_busy_ratio": 0.7},
+        {"tandem_generation_tokens_total": 260.0, "tandem_preemptions_total": 3.0, "tandem_num_requests_running": 0.0},
+    ]
+    assert watch.summary() == {"samples": 4, "generated_tokens": 160.0, "preemptions": 2.0,
+                               "gpu_busy_ratio": {"mean": 0.6, "max": 0.7},
+                               "running": {"mean": 3.0, "max": 4.0}}
+    watch.samples, watch.errors = [{}], []
+    watch._scrape()  # nothing listens on port 9: the error is kept, the watch goes on
+    assert watch.errors and watch.summary()["error"].startswith("URLError")
