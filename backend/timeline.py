@@ -1,6 +1,7 @@
 """CPU and GPU spans of the engine loop: busy fraction, CPU time per step, Chrome trace and a PNG picture."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import statistics
@@ -21,13 +22,16 @@ class Span:
     step: int
 
 
+MAX_SPANS = 500_000  # about 45,000 steps: a whole benchmark, or a server's last minutes (older spans drop off)
+
+
 class Timeline:
     """Records spans at low cost when enabled; switchable at run time; does nothing when disabled."""
 
-    def __init__(self, enabled: bool = False, use_cuda: bool = False) -> None:
+    def __init__(self, enabled: bool = False, use_cuda: bool = False, max_spans: int = MAX_SPANS) -> None:
         self.use_cuda = use_cuda
         self.enabled = False
-        self.spans: list[Span] = []
+        self.spans: collections.deque[Span] = collections.deque(maxlen=max_spans)
         self._pending_gpu: list[tuple[str, object, object, int]] = []  # (name, start event, end event, step)
         self._open_gpu: dict[str, object] = {}
         self._step = 0
@@ -108,10 +112,21 @@ class Timeline:
     def current_step(self) -> int:
         return self._step
 
+    def _since(self, step: int) -> list[Span]:
+        """Spans of steps >= step, scanning from the newest: spans arrive in step order, except GPU spans, which
+        are resolved in batches after their steps; a span a few steps older than `step` ends the scan."""
+        out = []
+        for s in reversed(self.spans):
+            if s.step >= step:
+                out.append(s)
+            elif s.step < step - 4:
+                break
+        return out
+
     def summary(self, since_step: int = 0) -> dict:
         """GPU busy fraction over the recorded window and median CPU time per step (wait excluded)."""
         self.resolve()
-        spans = [s for s in self.spans if s.step >= since_step] if since_step > 0 else self.spans
+        spans = self._since(since_step) if since_step > 0 else self.spans
         gpu = sorted((s.start, s.end) for s in spans if s.row == "gpu")
         cpu = [s for s in spans if s.row == "cpu"]
         if not gpu and not cpu:

@@ -26,7 +26,7 @@ if [ "${SERVE_BENCH:-1}" = 1 ]; then
 fi
 
 if [ "${LOCUST:-1}" = 1 ]; then
-  "$PY" -m scripts.serve --param "model=$MODEL" --param max_num_seqs=128 --param max_model_len=4096 \
+  "$PY" -m scripts.serve --param "model=$MODEL" --param max_num_seqs=128 --param max_model_len=4096 --param timeline=true \
     > "$OUT/locust_server.log" 2>&1 &
   server=$!
   for _ in $(seq 600); do grep -q "Ctrl-C stops" "$OUT/locust_server.log" && break; kill -0 $server || break; sleep 1; done
