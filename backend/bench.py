@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import queue
 import json
 import random
 import statistics
@@ -83,7 +84,7 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
             torch.cuda.reset_peak_memory_stats()
         engine.set_timeline(True)
         start = time.perf_counter()
-        outs = engine.generate(prompts, params)
+        outs = stream_all(engine, prompts, params) if args.stream else engine.generate(prompts, params)
         wall = time.perf_counter() - start
         engine.set_timeline(False)
         time.sleep(0.05)  # the loop applies the switch at its next step
@@ -115,6 +116,21 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
             torch.cuda.empty_cache()
 
 
+def stream_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Like generate(), but every request streams an output per step into one queue, as a server's sender
+    thread would consume them: the output thread detokenizes every step, beside the engine loop."""
+    sink: queue.SimpleQueue = queue.SimpleQueue()
+    ids = [f"stream-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(prompt, params, request_id=rid, sink=sink)
+    finals: dict = {}
+    while len(finals) < len(ids):
+        out = sink.get()
+        if out.finished:
+            finals[out.request_id] = out
+    return [finals[rid] for rid in ids]
+
+
 def roofline_seconds(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
     """Bytes every decode step must read (all weights + each request's KV so far) over copy bandwidth."""
     weights = sum(p.numel() * p.element_size() for p in engine.parts.model.parameters())
@@ -137,6 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", default=None, help="file stem for timeline PNG + Chrome trace per run")
     ap.add_argument("--new-tokens", type=int, default=None, help="override the workload's new tokens")
     ap.add_argument("--requests", default=None, help="override concurrent requests, e.g. 64 or 64,256")
+    ap.add_argument("--stream", action="store_true",
+                    help="stream every request's outputs (detokenized each step, as when serving) instead of "
+                         "generate()'s final-only outputs")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread; print the top functions")
     ap.add_argument("--compare-new-tokens", type=int, default=None,
                     help="new tokens for the transformers runs (default: the workload's); tok/s is quoted")
