@@ -74,6 +74,10 @@ class IncrementalDetokenizer:
         return window[prefix:read], window[prefix:]
 
     @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stops)
+
+    @property
     def skip_special_tokens(self) -> bool:
         return self._skip_special
 

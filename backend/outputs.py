@@ -35,6 +35,19 @@ class _OutputState:
     logprobs: list[dict] | None = None
     text: str = ""
     final_only: bool = False  # the caller wants the final output only: decode once, at the end
+    released: bool = False  # its final output went out
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A request's events of one batch, staged: where its new tokens and logprobs start, and its last event."""
+
+    state: _OutputState
+    last: StepEvent
+    first_token: int
+    first_logprob: int
+    has_tokens: bool = False
+    needs: bool = False  # there is new text to decode
 
 
 class OutputProcessor:
@@ -86,23 +99,37 @@ class OutputProcessor:
             self._process(events)
 
     def _process(self, events: list[StepEvent]) -> None:
-        staged = []
+        """One output per request for all of its events in this batch (a lagging consumer gets bigger deltas,
+        not more of them), decoded once; requests with stop strings go token by token, so the stop ends the
+        request at the token that completed it whatever the batch holds."""
+        groups: dict[str, list[StepEvent]] = {}
         for ev in events:
+            groups.setdefault(ev.request_id, []).append(ev)
+        staged: list[_Staged] = []
+        for request_id, group in groups.items():
             try:
-                item = self._stage(ev)
+                with self._lock:
+                    state = self._states.get(request_id)
+                if state is None:
+                    continue  # already finished (e.g. by a stop string): later tokens are dropped
+                if state.detok.has_stop_strings and not state.final_only:
+                    for ev in group:
+                        item = self._stage(state, [ev])
+                        self._emit(item, state.detok.decode_windows() if item.needs else None)
+                        if state.released:
+                            break
+                    continue
+                staged.append(self._stage(state, group))
             except Exception:  # one request's bad output must not stop the others
-                log.exception("output processing failed for %s", ev.request_id)
-                self._deliver_final(ev.request_id, "error", "output processing failed")
-                continue
-            if item is not None:
-                staged.append(item)
-        decoded = iter(self._decode_batch([st.detok for st, _, needs in staged if needs]))
-        for state, ev, needs in staged:
+                log.exception("output processing failed for %s", request_id)
+                self._deliver_final(request_id, "error", "output processing failed")
+        decoded = iter(self._decode_batch([item.state.detok for item in staged if item.needs]))
+        for item in staged:
             try:
-                self._emit(state, ev, next(decoded) if needs else None)
+                self._emit(item, next(decoded) if item.needs else None)
             except Exception:
-                log.exception("output processing failed for %s", ev.request_id)
-                self._deliver_final(ev.request_id, "error", "output processing failed")
+                log.exception("output processing failed for %s", item.last.request_id)
+                self._deliver_final(item.last.request_id, "error", "output processing failed")
 
     def _decode_batch(self, detoks: list[IncrementalDetokenizer]) -> list[tuple[str, str]]:
         """Both windows of every request in one call per skip flag; the Rust batch decode runs without the GIL,
@@ -123,40 +150,48 @@ class OutputProcessor:
                 out[i] = (texts[2 * j], texts[2 * j + 1])
         return out
 
-    def _stage(self, ev: StepEvent):
-        with self._lock:
-            state = self._states.get(ev.request_id)
-        if state is None:
-            return None  # already finished (e.g. by a stop string): later tokens are dropped
-        if ev.token is not None:
+    def _stage(self, state: _OutputState, group: list[StepEvent]) -> "_Staged":
+        """Take a request's consecutive events: tokens and logprobs appended, text staged but not decoded."""
+        item = _Staged(state, group[-1], len(state.token_ids), len(state.logprobs or ()))
+        for ev in group:
+            if ev.token is None:
+                continue
+            item.has_tokens = True
             state.token_ids.append(ev.token)
             if ev.logprob is not None and state.logprobs is not None:
                 state.logprobs.append(_logprob_entry(ev.token, ev.logprob))
+        last = item.last
         # the token that stopped the request (EOS / a stop id) is in token_ids but not in the text
-        hidden = ev.finish_reason == FINISH_STOP and ev.token is not None
+        hidden = last.finish_reason == FINISH_STOP and last.token is not None
         if state.final_only:
-            if ev.finish_reason is None:
-                return None
-            ids = state.token_ids
-            needs = state.detok.stage(ids[:-1] if hidden else ids)
-            if hidden:
-                state.detok.stage(ids[-1:], exclude_from_text=True)
-            return state, ev, needs
-        needs = ev.token is not None and state.detok.stage([ev.token], exclude_from_text=hidden)
-        return state, ev, needs
+            if last.finish_reason is not None:
+                ids = state.token_ids
+                item.needs = state.detok.stage(ids[:-1] if hidden else ids)
+                if hidden:
+                    state.detok.stage(ids[-1:], exclude_from_text=True)
+            return item
+        new = state.token_ids[item.first_token:]
+        if hidden:
+            item.needs = state.detok.stage(new[:-1])
+            state.detok.stage(new[-1:], exclude_from_text=True)
+        else:
+            item.needs = state.detok.stage(new)
+        return item
 
-    def _emit(self, state: _OutputState, ev: StepEvent, decoded: tuple[str, str] | None) -> None:
+    def _emit(self, item: "_Staged", decoded: tuple[str, str] | None) -> None:
+        state, ev = item.state, item.last
+        if state.final_only and ev.finish_reason is None:
+            return  # nothing is delivered before the end
         req, reason = state.request, ev.finish_reason
         if state.final_only:
             delta_ids, delta_lp = list(state.token_ids), state.logprobs
         else:
-            delta_ids = [ev.token] if ev.token is not None else []
-            delta_lp = state.logprobs[-1:] if state.logprobs and ev.logprob is not None else None
+            delta_ids = state.token_ids[item.first_token:]
+            delta_lp = (state.logprobs[item.first_logprob:] or None) if state.logprobs is not None else None
         delta_text = state.detok.apply(*decoded, final=state.final_only) if decoded is not None else ""
-        if ev.token is not None:
-            if state.detok.stopped and reason is None:
-                reason = FINISH_STOP
-                self._on_stop_string(req.request_id)
+        if item.has_tokens and state.detok.stopped and reason is None:
+            reason = FINISH_STOP
+            self._on_stop_string(req.request_id)
         if reason is not None and not state.detok.stopped:
             delta_text += state.detok.finish()
         state.text += delta_text
@@ -169,6 +204,7 @@ class OutputProcessor:
             logprobs=state.logprobs, delta_logprobs=delta_lp, error=ev.error,
             num_cached_tokens=req.num_cached_tokens)
         if reason is not None:
+            state.released = True
             self._release(req.request_id)
         state.sink.put(out)
 
@@ -177,6 +213,7 @@ class OutputProcessor:
             state = self._states.get(request_id)
         if state is None:
             return
+        state.released = True
         self._release(request_id)
         state.sink.put(RequestOutput(request_id, state.token_ids, state.text, [], "", True, reason,
                                      state.request.num_prompt_tokens, len(state.token_ids), error=message))

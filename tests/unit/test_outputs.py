@@ -1,0 +1,68 @@
+"""The output thread's batches: several steps of one request at once give one output, or stop exactly at a stop string."""
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from backend.models.random_model import byte_tokenizer
+from backend.outputs import OutputProcessor, StepEvent
+from backend.request import FINISH_LENGTH, FINISH_STOP, Request, SamplingParams
+
+
+@pytest.fixture()
+def tok():
+    return byte_tokenizer()
+
+
+def _run(tok, params: SamplingParams, batches: list[list[StepEvent]], stream: bool = True):
+    stopped: list[str] = []
+    processor = OutputProcessor(tok, stopped.append, lambda _rid: None)
+    try:
+        req = Request("r", tok.encode("hi", add_special_tokens=False), params, 0, frozenset())
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        processor.register(req, sink, stream=stream)
+        for batch in batches:
+            processor._process(batch)  # what the thread does with the steps it found waiting
+        outs = []
+        while not sink.empty():
+            outs.append(sink.get())
+        return outs, stopped
+    finally:
+        processor.close()
+
+
+def _events(ids, last_reason=None):
+    return [StepEvent("r", t, None, last_reason if i == len(ids) - 1 else None) for i, t in enumerate(ids)]
+
+
+def test_a_stop_string_ends_the_request_at_its_token_even_inside_one_batch(tok):
+    ids = tok.encode("ab END cd", add_special_tokens=False)
+    outs, stopped = _run(tok, SamplingParams(max_tokens=50, stop=["END"]), [_events(ids)])
+    assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+    assert outs[-1].finish_reason == FINISH_STOP and stopped == ["r"]
+    assert outs[-1].token_ids == ids[:ids.index(ord("D")) + 1]  # nothing after the token that completed "END"
+    assert "".join(o.delta_text for o in outs) == outs[-1].text == "ab "
+
+
+def test_steps_waiting_together_become_one_output_with_all_their_tokens(tok):
+    first, second = tok.encode("hello ", add_special_tokens=False), tok.encode("world", add_special_tokens=False)
+    outs, _ = _run(tok, SamplingParams(max_tokens=len(first) + len(second)),
+                   [_events(first), _events(second, FINISH_LENGTH)])
+    assert [(o.delta_token_ids, o.delta_text, o.finished) for o in outs] == [
+        (first, "hello ", False), (second, "world", True)]
+    assert outs[-1].token_ids == first + second and outs[-1].finish_reason == FINISH_LENGTH
+
+
+def test_eos_in_a_batch_joins_the_token_ids_but_not_the_text(tok):
+    ids = tok.encode("ok", add_special_tokens=False) + [0]  # 0 stands for EOS
+    outs, _ = _run(tok, SamplingParams(max_tokens=10), [_events(ids, FINISH_STOP)])
+    assert len(outs) == 1 and outs[0].finished and outs[0].delta_token_ids == ids and outs[0].text == "ok"
+
+
+def test_logprobs_of_a_batch_arrive_together(tok):
+    ids = tok.encode("xyz", add_special_tokens=False)
+    events = [StepEvent("r", t, (-0.5 * i, None), FINISH_LENGTH if i == 2 else None) for i, t in enumerate(ids)]
+    outs, _ = _run(tok, SamplingParams(max_tokens=3, logprobs=0), [events])
+    assert len(outs) == 1 and [e["token_id"] for e in outs[0].delta_logprobs] == ids
+    assert [e["logprob"] for e in outs[0].logprobs] == [0.0, -0.5, -1.0]
