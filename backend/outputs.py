@@ -224,6 +224,34 @@ class OutputProcessor:
         self._on_released(request_id)
 
 
+def coalesce_outputs(items: list) -> list:
+    """Outputs of one request waiting together for a slow consumer become one: the later one, carrying the joined
+    deltas. Other items (a consumer's own markers) keep their places; nothing of their request (of any request,
+    for a marker without a request_id) is joined across them."""
+    merged: list = []
+    newest: dict[str, int] = {}  # request_id → index in merged of its newest unfinished output
+    for item in items:
+        rid = getattr(item, "request_id", None)
+        if not isinstance(item, RequestOutput):
+            if rid is None:
+                newest.clear()
+            else:
+                newest.pop(rid, None)
+            merged.append(item)
+            continue
+        j = newest.pop(rid, None)
+        if j is not None:
+            earlier, merged[j] = merged[j], None
+            item.delta_token_ids = earlier.delta_token_ids + item.delta_token_ids
+            item.delta_text = earlier.delta_text + item.delta_text
+            if earlier.delta_logprobs or item.delta_logprobs:
+                item.delta_logprobs = (earlier.delta_logprobs or []) + (item.delta_logprobs or [])
+        merged.append(item)
+        if not item.finished:
+            newest[rid] = len(merged) - 1
+    return [m for m in merged if m is not None]
+
+
 def _logprob_entry(token: int, logprob) -> dict:
     value, top = logprob
     entry = {"token_id": token, "logprob": value}

@@ -66,3 +66,22 @@ def test_logprobs_of_a_batch_arrive_together(tok):
     outs, _ = _run(tok, SamplingParams(max_tokens=3, logprobs=0), [events])
     assert len(outs) == 1 and [e["token_id"] for e in outs[0].delta_logprobs] == ids
     assert [e["logprob"] for e in outs[0].logprobs] == [0.0, -0.5, -1.0]
+
+
+def test_coalesce_joins_a_requests_waiting_deltas_and_keeps_other_items_in_place():
+    from backend.outputs import coalesce_outputs
+    from backend.request import RequestOutput
+
+    def out(rid, ids, text, finished=False, lps=None):
+        return RequestOutput(rid, [], "", list(ids), text, finished, "length" if finished else None,
+                             delta_logprobs=lps)
+
+    marker = object()
+    a1, b1, a2 = out("a", [1], "x", lps=[{"token_id": 1}]), out("b", [7], "q"), out("a", [2, 3], "yz")
+    a3 = out("a", [4], "!", finished=True, lps=[{"token_id": 4}])
+    merged = coalesce_outputs([a1, b1, a2, marker, a3, out("a", [9], "late")])
+    assert [m if m is marker else (m.request_id, m.delta_token_ids, m.delta_text) for m in merged] == [
+        ("b", [7], "q"), ("a", [1, 2, 3], "xyz"), marker, ("a", [4], "!"), ("a", [9], "late")]
+    assert merged[1].delta_logprobs == [{"token_id": 1}]
+    # a finished output is never joined into a later one: its request has ended
+    assert merged[3].finished and merged[3].delta_logprobs == [{"token_id": 4}]

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import triton_python_backend_utils as pb_utils
 
+from backend.outputs import coalesce_outputs
 from protocol import GenerateRequest, response_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -87,7 +88,7 @@ class ResponseLoop:
                     items.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            for item in items:
+            for item in coalesce_outputs(items):  # a request's updates that waited together: one response
                 if item is not _STOP:
                     self._safe_handle(item)
             if any(item is _STOP for item in items):
