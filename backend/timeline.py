@@ -34,6 +34,7 @@ class Timeline:
         self.spans: collections.deque[Span] = collections.deque(maxlen=max_spans)
         self._pending_gpu: list[tuple[str, object, object, int]] = []  # (name, start event, end event, step)
         self._open_gpu: dict[str, object] = {}
+        self._free_events: list = []
         self._step = 0
         self._origin = time.perf_counter()
         self._anchor = None
@@ -78,7 +79,7 @@ class Timeline:
         if not self.enabled:
             return
         if self.use_cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = self._event()
             ev.record(stream)  # why: marks when the stream reaches this point, not when the CPU did
             self._open_gpu[name] = ev
         else:
@@ -89,7 +90,7 @@ class Timeline:
             return
         start = self._open_gpu.pop(name)
         if self.use_cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = self._event()
             ev.record(stream)  # why: the end of this stream's work for the span
             self._pending_gpu.append((name, start, ev, self._step))
         else:
@@ -105,7 +106,12 @@ class Timeline:
             start = self._anchor.elapsed_time(s) / 1e3
             end = self._anchor.elapsed_time(e) / 1e3
             self.spans.append(Span("gpu", name, start, end, step))
+            self._free_events += (s, e)  # both done (s was recorded before e on the same stream): reusable
         self._pending_gpu = still
+
+    def _event(self):
+        """A timing event, reused once resolved: six a step would otherwise be created and destroyed."""
+        return self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
 
     # ---- figures -------------------------------------------------------------------------------
     @property
