@@ -39,8 +39,10 @@ class _Distribution:
 class ServingMetrics:
     """Latency distributions, token counters and engine gauges; updated from the sender thread only."""
 
-    def __init__(self, model: str, version: str):
-        labels = {"model": model, "version": version}
+    def __init__(self, model: str, version: str, instance: str = ""):
+        # one series per model instance: instances share a family (same name), and a gauge written by two
+        # instances would show whichever wrote last
+        labels = {"model": model, "version": version, "instance": instance}
         self.ttft = _Distribution("tandem_time_to_first_token_seconds", "Time to first token", labels, _TTFT_BUCKETS)
         self.itl = _Distribution("tandem_inter_token_latency_seconds", "Time between output tokens", labels,
                                  _ITL_BUCKETS)

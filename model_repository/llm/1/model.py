@@ -82,7 +82,7 @@ class TritonPythonModel:
         self._log_prompts = _truthy(adapter.get("log_prompts", "false"))
         self._closing = False
         self._ids = itertools.count()
-        metrics = ServingMetrics(args["model_name"], args["model_version"])
+        metrics = ServingMetrics(args["model_name"], args["model_version"], args["model_instance_name"])
         self._model_name = args["model_name"]
         self._unload_on_failure = _truthy(adapter.get("unload_on_engine_failure", "true")) and _instances(config) == 1
         self.loop = ResponseLoop(self.engine, metrics, float(adapter.get("stats_interval_s", "0.5")),
