@@ -9,6 +9,16 @@ from loadtest.server_metrics import GENERATED, KV_USAGE, RUNNING, WAITING, Serve
 GPU_BUSY = "tandem_gpu_busy_ratio"
 PREEMPTIONS = "tandem_preemptions_total"
 _GAUGES = {"gpu_busy_ratio": GPU_BUSY, "kv_cache_usage_ratio": KV_USAGE, "running": RUNNING, "waiting": WAITING}
+_RATIOS = (GPU_BUSY, KV_USAGE)
+
+
+def combine(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, float]:
+    """One value per metric over its series (model instances, finish reasons): ratios are averaged, the rest
+    (counts, tokens, requests) added up."""
+    totals: dict[str, list[float]] = {}
+    for name, _labels, value in samples:
+        totals.setdefault(name, []).append(value)
+    return {name: statistics.fmean(v) if name in _RATIOS else sum(v) for name, v in totals.items()}
 
 
 class ServerWatch:
@@ -39,7 +49,7 @@ class ServerWatch:
 
     def _scrape(self) -> None:
         try:
-            self.samples.append(self.metrics.values())
+            self.samples.append(combine(self.metrics.scrape()))
         except Exception as err:  # the load test goes on without server figures
             self.errors.append(f"{type(err).__name__}: {err}")
 

@@ -258,3 +258,13 @@ def test_server_watch_summary_counts_deltas_and_gauge_statistics():
     watch.samples, watch.errors = [{}], []
     watch._scrape()  # nothing listens on port 9: the error is kept, the watch goes on
     assert watch.errors and watch.summary()["error"].startswith("URLError")
+
+
+def test_server_watch_averages_ratios_and_adds_counts_over_instances():
+    from loadtest.server_watch import combine
+
+    kv, running, done = "tandem_kv_cache_usage_ratio", "tandem_num_requests_running", "tandem_requests_total"
+    samples = [(kv, {"instance": "a"}, 0.25), (kv, {"instance": "b"}, 0.75),
+               (running, {"instance": "a"}, 3.0), (running, {"instance": "b"}, 5.0),
+               (done, {"finish_reason": "stop"}, 2.0), (done, {"finish_reason": "length"}, 7.0)]
+    assert combine(samples) == {kv: 0.5, running: 8.0, done: 9.0}
