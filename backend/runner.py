@@ -191,7 +191,7 @@ class ModelRunner:
             if bucket is not None:
                 logits = self.graphs.replay(slot, bucket, width, max_len)  # carry-over + forward + logits
             else:
-                logits = self._eager_forward(slot, B, T, width, batch, prev_slot if has_carry else None,
+                logits = self._eager_forward(slot, B, T, width, max_len, batch, prev_slot if has_carry else None,
                                              len(st.sampled))
             if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
                 return 0
@@ -251,11 +251,10 @@ class ModelRunner:
             max_seq_len=max_seq_len,
         )
 
-    def _eager_forward(self, slot: Slot, B: int, T: int, width: int, batch: ScheduledBatch,
+    def _eager_forward(self, slot: Slot, B: int, T: int, width: int, max_len: int, batch: ScheduledBatch,
                        prev_slot: Slot | None, num_sampled: int) -> torch.Tensor:
         ids = self.carry_over(slot, prev_slot, T)
         max_q = max(batch.num_new_tokens)
-        max_len = max(r.num_computed_tokens for r in batch.requests)
         meta = self.metadata(slot, B, T, width, max_q, max_len)
         hidden = self.model(ids, slot.dev["positions"][:T], self.kv_cache, meta)  # (T, H)
         return self.model.compute_logits(hidden[slot.dev["logits_idx"][:num_sampled]])  # (N, V)

@@ -70,6 +70,11 @@ def stream_params(rng: random.Random) -> dict:
                 temperature=0.8, seed=rng.randrange(1 << 30))
 
 
+def _record_itl(outcome: Outcome, first: float | None) -> None:
+    if first is not None and outcome.tokens > 1:
+        outcome.itl_s = (time.perf_counter() - first) / (outcome.tokens - 1)
+
+
 def consume(chunks, cancel_after: int, outcome: Outcome) -> None:
     """Blocking: read until cancel_after tokens arrived; the caller closes the stream (which cancels)."""
     first = None
@@ -78,8 +83,7 @@ def consume(chunks, cancel_after: int, outcome: Outcome) -> None:
         first = first or time.perf_counter()
         if outcome.tokens >= cancel_after:
             break
-    if first is not None and outcome.tokens > 1:
-        outcome.itl_s = (time.perf_counter() - first) / (outcome.tokens - 1)
+    _record_itl(outcome, first)
 
 
 async def aconsume(chunks, cancel_after: int, outcome: Outcome) -> None:
@@ -89,8 +93,7 @@ async def aconsume(chunks, cancel_after: int, outcome: Outcome) -> None:
         first = first or time.perf_counter()
         if outcome.tokens >= cancel_after:
             break
-    if first is not None and outcome.tokens > 1:
-        outcome.itl_s = (time.perf_counter() - first) / (outcome.tokens - 1)
+    _record_itl(outcome, first)
 
 
 def sync_grpc_request(server, params: dict, cancel_after: int) -> Outcome:

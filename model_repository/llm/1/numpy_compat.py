@@ -11,15 +11,11 @@ and they then fail under NumPy 1 (`module 'numpy' has no attribute 'long'`), whi
 from __future__ import annotations
 
 import importlib.metadata
-import re
 import sys
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def distributions_needing_other_numpy(numpy_version: str, path: list[str] | None = None) -> set[str]:
@@ -30,7 +26,7 @@ def distributions_needing_other_numpy(numpy_version: str, path: list[str] | None
     depends_on: dict[str, set[str]] = {}
     found = importlib.metadata.distributions(path=path) if path is not None else importlib.metadata.distributions()
     for dist in found:
-        name = _canonical(dist.metadata["Name"] or "")
+        name = canonicalize_name(dist.metadata["Name"] or "")
         if not name or name == "numpy":
             continue
         needs = depends_on.setdefault(name, set())
@@ -41,7 +37,7 @@ def distributions_needing_other_numpy(numpy_version: str, path: list[str] | None
                 continue
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
                 continue  # an optional extra's requirement, or one for another platform
-            dep = _canonical(req.name)
+            dep = canonicalize_name(req.name)
             if dep != "numpy":
                 needs.add(dep)
             elif req.specifier and not req.specifier.contains(version, prereleases=True):
@@ -69,7 +65,7 @@ def hide_packages_needing_numpy2() -> list[str]:
     for module, dists in importlib.metadata.packages_distributions().items():
         if module in sys.modules:
             continue  # already imported: it works, leave it
-        if any(_canonical(d) in excluded for d in dists):
+        if any(canonicalize_name(d) in excluded for d in dists):
             sys.modules[module] = None  # find_spec → None; import → ImportError
             hidden.append(module)
     return sorted(hidden)
