@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from .config import EngineConfig
-from .engine_setup import EngineParts, build_engine_parts
+from .engine_setup import EngineParts, build_engine_parts, device_scope
 from .outputs import OutputProcessor, RequestStream, StepEvent
 from .request import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request, RequestOutput, \
     RequestStatus, SamplingParams
@@ -209,7 +209,7 @@ class Engine:
     # ---- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), device_scope(self.device):
                 while not self._stopping:
                     idle = not self.scheduler.has_work() and self._inflight is None
                     self._drain_inbox(block=idle)

@@ -1,6 +1,7 @@
 """Builds an engine's parts from its config: device, model, tokenizer, KV cache, scheduler, runner."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -46,11 +47,22 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def device_scope(device: torch.device):
+    """Make device the thread's current CUDA device: Triton kernels, default streams and events use it, so an
+    engine on cuda:1 must not launch them on cuda:0 (a new thread starts on device 0)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def build_engine_parts(config: EngineConfig, model=None, tokenizer=None) -> EngineParts:
     """Load what config names; a ready model and tokenizer may be given instead (tests, benchmarks)."""
     device = resolve_device(config.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    with device_scope(device):
+        return _build_on(device, config, model, tokenizer)
+
+
+def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> EngineParts:
     dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = config.attention_backend
     if backend == "auto":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine, one call: Tandem served by a real tritonserver (the one carried from the nvidia-pytriton wheel),
 # compared with the engine alone (scripts.serve_bench), then Locust at 32, 64 and 128 users. Figures under $OUT.
+# TRITON_TESTS=<pytest paths> first runs tests that need the carried tritonserver (e.g. the multi-GPU test).
 #
 # The machine has no registry: carry `.whl/` (git-ignored) holding pytriton-trim.tar.xz (the wheel's pytriton/ and
 # nvidia_pytriton.libs/ without what a Python 3.12 server doesn't need), numpy-1.26.4 (the wheel's stub needs
@@ -17,6 +18,11 @@ tar xJf .whl/pytriton-trim.tar.xz -C "$SITE"
 "$PY" -m pip install -q --no-index --no-deps --target "$SITE" $(ls .whl/*.whl | grep -v '/numpy-') 2>&1 | tail -2
 "$PY" -m pip install -q --no-index --no-deps --target "$NUMPY1" .whl/numpy-*.whl 2>&1 | tail -2
 export PYTHONPATH="$SITE" TANDEM_SERVER_PYTHONPATH="$NUMPY1"
+
+if [ -n "${TRITON_TESTS:-}" ]; then  # tests that start tritonserver themselves, e.g. tests/gpu/test_multi_gpu.py
+  timeout "${T_TESTS:-300}" "$PY" -m pytest $TRITON_TESTS -q -s -p no:cacheprovider > "$OUT/triton_tests.log" 2>&1
+  grep -E "requests per instance|passed|failed|Error" "$OUT/triton_tests.log" | tail -8
+fi
 
 if [ "${SERVE_BENCH:-1}" = 1 ]; then
   timeout "${T_SERVE_BENCH:-330}" "$PY" -m scripts.serve_bench --model "$MODEL" --concurrency "${LEVELS:-32,64,128}" \

@@ -91,7 +91,8 @@ class TritonPythonModel:
         if HIDDEN_FOR_NUMPY1:
             pb_utils.Logger.log_info(f"tandem: numpy {np.__version__}: hid packages that need NumPy 2: "
                                      f"{', '.join(HIDDEN_FOR_NUMPY1)}")
-        pb_utils.Logger.log_info(f"tandem: engine ready ({args['model_name']}, instance {args['model_instance_name']})")
+        pb_utils.Logger.log_info(f"tandem: engine ready ({args['model_name']}, instance {args['model_instance_name']}, "
+                                 f"device {self.engine.device})")
 
     def execute(self, requests: list) -> None:
         # No lock against the sender thread: responses from another thread while execute() runs is the python

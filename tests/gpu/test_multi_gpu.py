@@ -1,0 +1,86 @@
+"""Several GPUs: instance_group KIND_GPU over two GPUs gives one engine per GPU, each on its own device."""
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from loadtest.server_metrics import ServerMetrics
+from scripts.tritonserver_env import (free_port, make_model_repository, start_server, stop_server, stub_pids,
+                                      wait_until_ready)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+
+SINGLE = "instance_group [ { kind: KIND_MODEL, count: 1 } ]"
+PER_GPU = "instance_group [ { kind: KIND_GPU, count: 1, gpus: [ 0, 1 ] } ]"
+
+
+def test_engine_on_second_gpu_equals_first(tmp_path):
+    """An engine on cuda:1 (built and looping on threads whose current device is 0) gives cuda:0's tokens."""
+    from backend import Engine, EngineConfig, SamplingParams
+    from tests.tiny_models import build_tiny, random_prompts
+
+    path = build_tiny("llama", str(tmp_path))
+    prompts = random_prompts([3, 30, 9, 57], seed=4)
+    got = {}
+    for device in ("cuda:0", "cuda:1"):
+        engine = Engine(EngineConfig(model=path, device=device, num_kv_blocks=128, max_num_seqs=8,
+                                     max_num_batched_tokens=256))
+        try:
+            outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+            got[device] = [o.token_ids for o in outs]
+            assert engine.runner.kv_cache.device == torch.device(device)
+        finally:
+            engine.shutdown()
+    assert got["cuda:1"] == got["cuda:0"]
+
+
+def test_one_engine_per_gpu(tmp_path):
+    repo = make_model_repository(tmp_path, {"max_num_seqs": "32", "max_model_len": "1024",
+                                            "stats_interval_s": "0.2"})
+    config = repo / "llm" / "config.pbtxt"
+    config.write_text(config.read_text().replace(SINGLE, PER_GPU))
+    free_before = [torch.cuda.mem_get_info(i)[0] for i in range(2)]
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    log = tmp_path / "tritonserver.log"
+    proc = start_server(repo, http, grpc, metrics, ["--exit-timeout-secs=60"], log_path=log)
+    try:
+        wait_until_ready(proc, http, timeout=420, model_name="llm")
+        assert len(stub_pids(str(repo))) == 2
+        ready = dict(re.findall(r"engine ready \(llm, instance (\S+), device (\S+)\)", log.read_text()))
+        assert sorted(ready.values()) == ["cuda:0", "cuda:1"], ready
+        used = [(before - torch.cuda.mem_get_info(i)[0]) / 2**30 for i, before in enumerate(free_before)]
+        assert min(used) > 4, f"GiB taken on each GPU by its engine: {used}"
+
+        body = json.dumps({"text_input": "The capital of France is",
+                           "parameters": {"max_tokens": 32, "temperature": 0, "ignore_eos": True}}).encode()
+
+        def ask(_):
+            req = urllib.request.Request(f"http://localhost:{http}/v2/models/llm/generate", data=body)
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.load(r)["text_output"]
+
+        with ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(ask, range(64)))
+        assert len(set(answers)) == 1 and answers[0]  # greedy: the same text whichever GPU answered
+
+        def per_instance() -> dict:
+            return {labels.get("instance"): value for name, labels, value in
+                    ServerMetrics(f"http://localhost:{metrics}/metrics").scrape() if name == "tandem_requests_total"}
+
+        deadline = time.monotonic() + 10
+        while sum(per_instance().values()) < 64 and time.monotonic() < deadline:  # counters move on the sender
+            time.sleep(0.2)
+        served = per_instance()
+        print(f"requests per instance: {served}; devices: {ready}; GiB used per GPU: {used}")
+        assert sum(served.values()) == 64 and set(served) == set(ready)
+    finally:
+        code = stop_server(proc, timeout=120)
+    assert code == 0
+    assert not stub_pids(str(repo))
