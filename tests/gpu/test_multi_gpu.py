@@ -51,7 +51,10 @@ def test_one_engine_per_gpu(tmp_path):
     log = tmp_path / "tritonserver.log"
     proc = start_server(repo, http, grpc, metrics, ["--exit-timeout-secs=60"], log_path=log)
     try:
-        wait_until_ready(proc, http, timeout=420, model_name="llm")
+        try:
+            wait_until_ready(proc, http, timeout=420, model_name="llm")
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}; server log ends:\n{log.read_text()[-4000:]}") from None
         assert len(stub_pids(str(repo))) == 2
         ready = dict(re.findall(r"engine ready \(llm, instance (\S+), device (\S+)\)", log.read_text()))
         assert sorted(ready.values()) == ["cuda:0", "cuda:1"], ready
