@@ -42,7 +42,10 @@ def test_engine_on_second_gpu_equals_first(tmp_path):
 
 
 def test_one_engine_per_gpu(tmp_path):
-    repo = make_model_repository(tmp_path, {"max_num_seqs": "32", "max_model_len": "1024",
+    from tests.tiny_models import build_tiny
+
+    model = build_tiny("llama", str(tmp_path))  # any checkpoint will do; this one needs no package or download
+    repo = make_model_repository(tmp_path, {"model": model, "max_num_seqs": "32", "max_model_len": "1024",
                                             "stats_interval_s": "0.2"})
     config = repo / "llm" / "config.pbtxt"
     config.write_text(config.read_text().replace(SINGLE, PER_GPU))
@@ -54,7 +57,9 @@ def test_one_engine_per_gpu(tmp_path):
         try:
             wait_until_ready(proc, http, timeout=420, model_name="llm")
         except RuntimeError as err:
-            raise RuntimeError(f"{err}; server log ends:\n{log.read_text()[-4000:]}") from None
+            errors = [line[:1500] for line in log.read_text().splitlines()
+                      if re.match(r"E\d{4}", line) or "UNAVAILABLE" in line or "rror" in line]
+            raise RuntimeError(f"{err}; server log errors:\n" + "\n".join(errors[-20:])) from None
         assert len(stub_pids(str(repo))) == 2
         ready = dict(re.findall(r"engine ready \(llm, instance (\S+), device (\S+)\)", log.read_text()))
         assert sorted(ready.values()) == ["cuda:0", "cuda:1"], ready
