@@ -104,6 +104,7 @@ class Engine:
         seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + hash(request_id)) & 0x7FFFFFFF
         eos = frozenset(self.spec.eos_token_ids)
         req = Request(request_id, token_ids, params, seed, eos)
+        req.final_only = not stream_outputs and not params.stop and params.logprobs is None
         stream = None
         if sink is None:
             stream = RequestStream(request_id, self)
@@ -271,6 +272,12 @@ class Engine:
             req.accept_token(tok)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
+            if req.final_only:  # no per-step event: the output thread hears of it once, at the end
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    events.append(StepEvent(req.request_id, tok, None, reason, all_tokens=req.output_token_ids))
+                    self._finish(req, reason, next_state)
+                continue
             lp = None
             if lps is not None:
                 top = None
@@ -329,7 +336,7 @@ class Engine:
                 req = self._requests.get(a)
                 if req is not None:
                     self._finish(req, b, self._inflight)
-                    self.outputs.push([StepEvent(a, None, None, b)])
+                    self.outputs.push([StepEvent(a, None, None, b, all_tokens=_tokens_if_final_only(req))])
             elif kind == "timeline":
                 if a:
                     self.timeline.enable()
@@ -379,7 +386,7 @@ class Engine:
             req.status = RequestStatus.FINISHED
             req.finish_reason = reason
             self.block_manager.free(req)
-            self.outputs.push([StepEvent(req.request_id, None, None, reason, message)])
+            self.outputs.push([StepEvent(req.request_id, None, None, reason, message, _tokens_if_final_only(req))])
         self._requests.clear()
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
@@ -412,3 +419,8 @@ class Engine:
         elif "gpu_busy_fraction" in self._stats_snapshot:
             snap["gpu_busy_fraction"] = self._stats_snapshot["gpu_busy_fraction"]
         self._stats_snapshot = snap
+
+
+def _tokens_if_final_only(req: Request) -> list[int] | None:
+    """A final-only request's tokens so far, for a final event that ends it early (abort, error)."""
+    return req.output_token_ids if req.final_only else None

@@ -22,6 +22,7 @@ class StepEvent:
     logprob: tuple[float, list[tuple[int, float]] | None] | None
     finish_reason: str | None
     error: str | None = None
+    all_tokens: list[int] | None = None  # a final-only request's final event: every output token
 
 
 @dataclass(slots=True)
@@ -153,6 +154,10 @@ class OutputProcessor:
     def _stage(self, state: _OutputState, group: list[StepEvent]) -> "_Staged":
         """Take a request's consecutive events: tokens and logprobs appended, text staged but not decoded."""
         item = _Staged(state, group[-1], len(state.token_ids), len(state.logprobs or ()))
+        if item.last.all_tokens is not None:  # a final-only request's one event carries all of its tokens
+            state.token_ids[:] = item.last.all_tokens
+            item.has_tokens = bool(state.token_ids)
+            group = []
         for ev in group:
             if ev.token is None:
                 continue

@@ -153,6 +153,9 @@ class Request:
     # greedy, no logprobs, penalties or min_tokens: a decode graph's own argmax is its final token
     plain_greedy: bool = False
     stop_ids: frozenset[int] = frozenset()  # tokens that end the request: stop_token_ids, and EOS unless ignored
+    # the caller wants the final output only and nothing needs per-token work (stop strings, logprobs): the loop
+    # sends no per-step events for it, only the final one with all its tokens
+    final_only: bool = False
 
     def __post_init__(self) -> None:
         p = self.params

@@ -364,3 +364,38 @@ def test_shutdown_answers_every_request(root):
     finals = [s.result() for s in streams]
     assert all(f.finished for f in finals)
     assert {f.finish_reason for f in finals} <= {"abort", "length"}
+
+
+def test_final_only_requests_send_one_event_each_and_keep_their_tokens_when_cut_short(root):
+    """generate() wants final outputs only: the loop sends the output thread one event per request, not one per
+    token; a request cut short (here by shutdown) still gets the tokens it had."""
+    import threading
+
+    path = build_tiny("llama", root)
+    prompts = random_prompts([5, 9], seed=81)
+    engine = make_engine(path, True)
+    pushed = []
+    push = engine.outputs.push
+    engine.outputs.push = lambda events: (pushed.append(len(events)), push(events))[1]
+    try:
+        full = engine.generate(prompts, greedy(40))
+    finally:
+        engine.shutdown()
+    assert sum(pushed) == 2
+    assert [len(o.token_ids) for o in full] == [40, 40] and all(o.text for o in full)
+
+    engine = make_engine(path, True)
+    got = {}
+    worker = threading.Thread(target=lambda: got.update(outs=engine.generate(prompts, greedy(300))))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while engine._steps < 8 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    engine.shutdown()
+    worker.join(30)
+    outs = got["outs"]
+    assert [o.finish_reason for o in outs] == ["abort", "abort"]
+    for out, ref in zip(outs, full):
+        n = min(len(out.token_ids), 40)
+        assert 0 < len(out.token_ids) < 300 and out.token_ids[:n] == ref.token_ids[:n]
+        assert out.num_tokens == len(out.token_ids)
