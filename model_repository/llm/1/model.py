@@ -82,7 +82,8 @@ class TritonPythonModel:
         self._log_prompts = _truthy(adapter.get("log_prompts", "false"))
         self._closing = False
         self._ids = itertools.count()
-        metrics = ServingMetrics(args["model_name"], args["model_version"], args["model_instance_name"])
+        instance = _instance_label(args)
+        metrics = ServingMetrics(args["model_name"], args["model_version"], instance)
         self._model_name = args["model_name"]
         self._unload_on_failure = _truthy(adapter.get("unload_on_engine_failure", "true")) and _instances(config) == 1
         self.loop = ResponseLoop(self.engine, metrics, float(adapter.get("stats_interval_s", "0.5")),
@@ -91,7 +92,7 @@ class TritonPythonModel:
         if HIDDEN_FOR_NUMPY1:
             pb_utils.Logger.log_info(f"tandem: numpy {np.__version__}: hid packages that need NumPy 2: "
                                      f"{', '.join(HIDDEN_FOR_NUMPY1)}")
-        pb_utils.Logger.log_info(f"tandem: engine ready ({args['model_name']}, instance {args['model_instance_name']}, "
+        pb_utils.Logger.log_info(f"tandem: engine ready ({args['model_name']}, instance {instance}, "
                                  f"device {self.engine.device})")
 
     def execute(self, requests: list) -> None:
@@ -180,6 +181,13 @@ class TritonPythonModel:
 
 def _truthy(text: str) -> bool:
     return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _instance_label(args: dict) -> str:
+    """The instance's name, unique per server: Triton gives a KIND_GPU group's instances the same name on every
+    GPU (llm_0_0 on GPU 0 and on GPU 1), and instances sharing metric labels share each Metric object."""
+    name = args["model_instance_name"]
+    return f"{name}@gpu{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else name
 
 
 def _instances(config: dict) -> int:
