@@ -60,6 +60,10 @@ def build_engine(wl: Workload, async_pipeline: bool, args) -> Engine:
     settings.update(wl.engine)
     if args.attention:
         settings["attention_backend"] = args.attention
+    if args.set:  # engine settings as config.pbtxt would give them, e.g. loop_gate=false
+        given = dict(item.split("=", 1) for item in args.set)
+        parsed = EngineConfig.from_dict(given)
+        settings.update({k: getattr(parsed, k) for k in given})
     if wl.model == "stand-in":
         from .models.random_model import byte_tokenizer
         from .standin import StandInModel
@@ -152,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default=None, choices=["torch", "triton"])
     ap.add_argument("--timeline", default=None, help="file stem for timeline PNG + Chrome trace per run")
     ap.add_argument("--new-tokens", type=int, default=None, help="override the workload's new tokens")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine setting for our runs (as in config.pbtxt), e.g. --set loop_gate=false")
     ap.add_argument("--requests", default=None, help="override concurrent requests, e.g. 64 or 64,256")
     ap.add_argument("--stream", action="store_true",
                     help="stream every request's outputs (detokenized each step, as when serving) instead of "

@@ -26,6 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     async_pipeline: bool | None = None  # None: on where CUDA is present
     cuda_graphs: bool = True  # decode steps replay captured graphs on CUDA
+    loop_gate: bool = True  # CUDA: output/sender threads do their Python while the loop waits (loop_gate.py)
     max_graph_batch_size: int = 256  # largest decode batch with a captured graph
     attention_backend: str = "auto"  # auto | torch | triton
     seed: int = 0  # seed for requests that bring none

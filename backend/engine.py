@@ -13,6 +13,7 @@ import torch
 
 from .config import EngineConfig
 from .engine_setup import EngineParts, build_engine_parts, device_scope
+from .loop_gate import LoopGate
 from .outputs import OutputProcessor, RequestStream, StepEvent
 from .request import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request, RequestOutput, \
     RequestStatus, SamplingParams
@@ -68,7 +69,8 @@ class Engine:
         # why: the loop thread hands the GIL back and forth with the output and sender threads; a short switch
         # interval keeps it from waiting up to 5 ms to get the GIL back after each CUDA wait
         sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
-        self.outputs = OutputProcessor(self.tokenizer, self._on_stop_string, self._release_id)
+        self.gate = LoopGate(enabled=self.device.type == "cuda" and self.config.loop_gate)
+        self.outputs = OutputProcessor(self.tokenizer, self._on_stop_string, self._release_id, self.gate)
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -213,7 +215,10 @@ class Engine:
             with torch.inference_mode(), device_scope(self.device):
                 while not self._stopping:
                     idle = not self.scheduler.has_work() and self._inflight is None
+                    if idle:
+                        self.gate.open()  # why: waiting for work, helpers may have the GIL
                     self._drain_inbox(block=idle)
+                    self.gate.close()
                     if self._stopping:
                         break
                     try:
@@ -227,6 +232,7 @@ class Engine:
             self._healthy = False
             self._fail_all(f"engine loop died: {exc}")
         finally:
+            self.gate.disable()
             self._fail_all("engine shut down", reason=FINISH_ABORT)
 
     def _step(self) -> None:
@@ -256,7 +262,11 @@ class Engine:
         self._refresh_stats()
 
     def _complete(self, st: StepState, next_state: StepState | None) -> None:
-        result = self.runner.read(st)  # the one blocking call of a step
+        self.gate.open()  # why: blocked on the GPU next, helper threads may have the GIL meanwhile
+        try:
+            result = self.runner.read(st)  # the one blocking call of a step
+        finally:
+            self.gate.close()
         with self.timeline.cpu_span("update"):
             events = self._update(st, result, next_state)
             if events:

@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .detokenizer import IncrementalDetokenizer
+from .loop_gate import LoopGate
 from .request import FINISH_STOP, Request, RequestOutput
 
 log = logging.getLogger("tandem.outputs")
+
+_REQUESTS_PER_PASS = 32  # requests handled between two passes of the loop gate
 
 
 @dataclass(slots=True)
@@ -54,8 +57,10 @@ class _Staged:
 class OutputProcessor:
     """A worker thread that detokenizes, applies stop strings and delivers outputs to each request's sink."""
 
-    def __init__(self, tokenizer, on_stop_string: Callable[[str], None], on_released: Callable[[str], None]):
+    def __init__(self, tokenizer, on_stop_string: Callable[[str], None], on_released: Callable[[str], None],
+                 gate: LoopGate | None = None):
         self.tokenizer = tokenizer
+        self._gate = gate or LoopGate(enabled=False)
         self._on_stop_string = on_stop_string
         self._on_released = on_released
         self._states: dict[str, _OutputState] = {}
@@ -107,7 +112,9 @@ class OutputProcessor:
         for ev in events:
             groups.setdefault(ev.request_id, []).append(ev)
         staged: list[_Staged] = []
-        for request_id, group in groups.items():
+        for n, (request_id, group) in enumerate(groups.items()):
+            if n % _REQUESTS_PER_PASS == 0:
+                self._gate.pass_()  # the engine loop's CPU work goes first
             try:
                 with self._lock:
                     state = self._states.get(request_id)
@@ -125,7 +132,9 @@ class OutputProcessor:
                 log.exception("output processing failed for %s", request_id)
                 self._deliver_final(request_id, "error", "output processing failed")
         decoded = iter(self._decode_batch([item.state.detok for item in staged if item.needs]))
-        for item in staged:
+        for n, item in enumerate(staged):
+            if n % _REQUESTS_PER_PASS == 0:
+                self._gate.pass_()
             try:
                 self._emit(item, next(decoded) if item.needs else None)
             except Exception:

@@ -15,6 +15,7 @@ from protocol import GenerateRequest, response_arrays
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_INTERVAL_S = 0.1  # is_cancelled() is an IPC round trip: sweep, don't ask per token
 _STOP = object()
+_RESPONSES_PER_PASS = 16  # responses sent between two passes of the engine's loop gate
 
 
 @dataclass
@@ -88,7 +89,10 @@ class ResponseLoop:
                     items.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            for item in coalesce_outputs(items):  # a request's updates that waited together: one response
+            gate = getattr(self._engine, "gate", None)
+            for n, item in enumerate(coalesce_outputs(items)):  # a request's updates waiting together: one response
+                if gate is not None and n % _RESPONSES_PER_PASS == 0:
+                    gate.pass_()  # the engine loop's CPU work goes first (backend/loop_gate.py)
                 if item is not _STOP:
                     self._safe_handle(item)
             if any(item is _STOP for item in items):
