@@ -80,9 +80,12 @@ def test_one_engine_per_gpu(tmp_path):
             answers = list(pool.map(ask, range(64)))
         assert len(set(answers)) == 1 and answers[0]  # greedy: the same text whichever GPU answered
 
-        def per_instance() -> dict:
-            return {series.get("instance"): value for name, series, value in
-                    ServerMetrics(f"http://localhost:{metrics}/metrics").scrape() if name == "tandem_requests_total"}
+        def per_instance() -> dict:  # requests finished, added up over each instance's series (finish reasons)
+            counts: dict = {}
+            for name, series, value in ServerMetrics(f"http://localhost:{metrics}/metrics").scrape():
+                if name == "tandem_requests_total":
+                    counts[series.get("instance")] = counts.get(series.get("instance"), 0) + value
+            return counts
 
         deadline = time.monotonic() + 10
         while sum(per_instance().values()) < 64 and time.monotonic() < deadline:  # counters move on the sender
