@@ -20,15 +20,43 @@ def _rates(times: list[int], values: list[float]) -> list[float]:
     return [0.0] + [max(b - a, 0.0) / max(tb - ta, 1) for a, b, ta, tb in zip(values, values[1:], times, times[1:])]
 
 
-def throughput_over_time(history: list[dict[str, str]], path: Path) -> None:
-    """Requests/s and output tokens/s from the e2e entry's cumulative count × mean tokens, with users."""
+def generated_per_second(samples: list[dict], t0: float, bin_s: float = 1.0) -> tuple[list[float], list[float]]:
+    """Output tokens/s in bins of bin_s seconds since t0, each request's tokens spread evenly from its first token
+    to its end (a whole request's tokens counted at its completion make waves of equal requests look like spikes)."""
+    spans = []
+    for s in samples:
+        if "error" in s or not s.get("output_tokens") or s.get("ttft_ms") is None:
+            continue
+        first = s["start"] + s["ttft_ms"] / 1000.0 - t0
+        end = s["start"] + s["e2e_ms"] / 1000.0 - t0
+        spans.append((first, max(end, first + 1e-9), s["output_tokens"]))
+    if not spans:
+        return [], []
+    bins = [0.0] * (int(max(e for _, e, _ in spans) // bin_s) + 1)
+    for first, end, tokens in spans:
+        rate = tokens / (end - first)
+        b = int(first // bin_s)
+        while b * bin_s < end:
+            overlap = min(end, (b + 1) * bin_s) - max(first, b * bin_s)
+            bins[b] += rate * max(overlap, 0.0)
+            b += 1
+    return [(i + 0.5) * bin_s for i in range(len(bins))], [v / bin_s for v in bins]
+
+
+def throughput_over_time(history: list[dict[str, str]], path: Path, samples: list[dict] | None = None) -> None:
+    """Completed requests/s with users (Locust's history), and output tokens/s as generated (from the samples;
+    without them, from completions: the e2e entry's cumulative count × mean tokens)."""
     rows = _series(history, "e2e")
     if len(rows) < 2:
         return
     t0 = _start(history)
     times = [int(r["Timestamp"]) - t0 for r in rows]
     counts = [float(r["Total Request Count"]) - float(r["Total Failure Count"]) for r in rows]
-    tokens = [int(r["Total Request Count"]) * float(r["Total Average Content Size"]) for r in rows]
+    tok_times, tok_rates = generated_per_second(samples or [], t0)
+    token_label = "output tokens/s (as generated)"
+    if not tok_times:
+        tokens = [int(r["Total Request Count"]) * float(r["Total Average Content Size"]) for r in rows]
+        tok_times, tok_rates, token_label = times, _rates(times, tokens), "output tokens/s (at completion)"
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     ax1.plot(times, _rates(times, counts), label="completed requests/s")
     ax1.set_ylabel("requests/s")
@@ -36,10 +64,10 @@ def throughput_over_time(history: list[dict[str, str]], path: Path) -> None:
     users.plot(times, [int(r["User Count"]) for r in rows], color="grey", linestyle="--", label="users")
     users.set_ylabel("users")
     users.set_ylim(bottom=0)
-    ax2.plot(times, _rates(times, tokens), color="tab:green")
-    ax2.set_ylabel("output tokens/s")
+    ax2.plot(tok_times, tok_rates, color="tab:green")
+    ax2.set_ylabel(token_label)
     ax2.set_xlabel("seconds since start")
-    ax1.set_title("Throughput over time (per-second completions)")
+    ax1.set_title("Throughput over time (requests: per-second completions)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -85,9 +113,10 @@ def latency_percentiles(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_all(history: list[dict[str, str]], summary: dict, out: Path) -> list[Path]:
+def write_all(history: list[dict[str, str]], summary: dict, out: Path, samples: list[dict] | None = None
+              ) -> list[Path]:
     paths = [out / "throughput.png", out / "latency_over_time.png", out / "latency_percentiles.png"]
-    throughput_over_time(history, paths[0])
+    throughput_over_time(history, paths[0], samples)
     latency_over_time(history, paths[1])
     latency_percentiles(summary, paths[2])
     return [p for p in paths if p.exists()]

@@ -15,7 +15,7 @@ from client import Client, GenerateRequest
 from client.urls import DEFAULT_URLS
 from loadtest.charts import write_all
 from loadtest.prompts import DEFAULT_PROMPTS
-from loadtest.report import read_csv, summarize, table
+from loadtest.report import read_csv, read_samples, summarize, table
 from loadtest.server_watch import ServerWatch
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["server"] = server
         print(f"server: {json.dumps(server)}")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    charts = write_all(read_csv(Path(f"{prefix}_stats_history.csv")), summary, args.out)
+    charts = write_all(read_csv(Path(f"{prefix}_stats_history.csv")), summary, args.out, read_samples(samples))
     print(table(summary))
     print(json.dumps({k: summary.get(k) for k in ("requests", "requests_per_s", "output_tokens_per_s")}
                      | {"failures": summary["failures"]["count"], "passed": summary["passed"]}))

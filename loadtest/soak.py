@@ -179,7 +179,7 @@ def soak(args: argparse.Namespace, stub_pids, server_pid: int | None) -> dict:
     rss_optional = bool(args.remote and not args.stub_marker)  # a remote server's stub is not ours to sample
     summary["criteria"] = criteria(summary, args.max_rss_growth_pct, rss_optional)
     summary["passed"] = all(c["passed"] is not False for c in summary["criteria"].values())
-    write_all(read_csv(args.out / "locust_stats_history.csv"), normal, args.out)
+    write_all(read_csv(args.out / "locust_stats_history.csv"), normal, args.out, read_samples(args.out / "samples.jsonl"))
     rss_chart(sampler.samples, args.warmup, args.out / "rss.png")
     return summary
 
