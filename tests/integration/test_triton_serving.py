@@ -258,6 +258,48 @@ def test_64_concurrent_streams(triton_server, reference):
     assert not wrong, f"requests with errors or wrong text: {wrong}"
 
 
+def latency_series(server) -> dict[str, dict[str, float]]:
+    """For each latency histogram: its _count, _sum and cumulative _bucket values by `le`, for this model."""
+    from loadtest.server_metrics import ServerMetrics
+
+    out: dict[str, dict[str, float]] = {}
+    for name, labels, value in ServerMetrics(server.metrics_url, server.model_name).scrape():
+        for base in ("tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
+                     "tandem_request_latency_seconds"):
+            if name.startswith(base + "_"):
+                key = labels["le"] if name.endswith("_bucket") else name[len(base) + 1:]
+                out.setdefault(base, {})
+                out[base][key] = out[base].get(key, 0.0) + value
+    return out
+
+
+def test_latency_histograms_count_every_request_and_token(triton_server):
+    """TTFT and end-to-end: one observation per request; inter-token latency: one per token after the first;
+    buckets cumulative up to +Inf = _count. Counted in the stub, flushed to Triton every 0.1 s."""
+    before = latency_series(triton_server)
+    generated_before = scrape(triton_server, "tandem_generation_tokens_total")
+    sampling = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    results = run_on_streams(triton_server, {f"h{i}": grpc_inputs(PROMPTS[i % len(PROMPTS)], sampling=sampling)
+                                             for i in range(8)})
+    assert all(not r.errors and r.finals == 1 for r in results.values())
+
+    def delta(base: str, key: str) -> float:
+        return latency_series(triton_server).get(base, {}).get(key, 0.0) - before.get(base, {}).get(key, 0.0)
+
+    wait_for(lambda: delta("tandem_request_latency_seconds", "count") >= 8, 10, "the metrics flush")
+    time.sleep(0.3)  # any later flush would show up now
+    after = latency_series(triton_server)
+    expected = {"tandem_time_to_first_token_seconds": 8, "tandem_inter_token_latency_seconds": 8 * 11,
+                "tandem_request_latency_seconds": 8}
+    for base, count in expected.items():
+        got = {k: v - before.get(base, {}).get(k, 0.0) for k, v in after[base].items()}
+        assert got["count"] == count, (base, got)
+        assert got["+Inf"] == count and got["sum"] >= 0
+        bounds = sorted((float(k), v) for k, v in got.items() if k not in ("count", "sum", "+Inf"))
+        assert [v for _, v in bounds] == sorted(v for _, v in bounds), f"{base}: buckets must be cumulative"
+    assert scrape(triton_server, "tandem_generation_tokens_total") - generated_before == 96
+
+
 def test_cancelled_stream_frees_kv_blocks(triton_server):
     aborts = scrape_finished(triton_server, "abort")
     stream = GrpcStream(triton_server)

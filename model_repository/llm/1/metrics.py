@@ -1,6 +1,7 @@
 """Prometheus metrics of one model instance through Triton's Python-backend custom-metrics API."""
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -16,28 +17,60 @@ def _family(name: str, description: str, kind: Any) -> Any:
 
 
 class _Distribution:
-    """A histogram where the server supports it (Triton ≥ 24.08), else a _sum and a _count counter."""
+    """A latency histogram counted in the stub and sent to Triton at each flush, as Prometheus histogram series
+    (`_bucket` with `le`, `_sum`, `_count`). Every call of a Triton metric is an IPC round trip from the stub to
+    the server: a native histogram's observe() per streamed token made the sender thread do thousands a second."""
 
     def __init__(self, name: str, description: str, labels: dict[str, str], buckets: list[float]):
-        try:
-            self._families = [_family(name, description, pb_utils.MetricFamily.HISTOGRAM)]
-            self._hist = self._families[0].Metric(labels=labels, buckets=buckets)
-        except Exception:  # older stub: no HISTOGRAM kind
-            self._hist = None
-            self._families = [_family(f"{name}_sum", description, pb_utils.MetricFamily.COUNTER),
-                              _family(f"{name}_count", description, pb_utils.MetricFamily.COUNTER)]
-            self._sum, self._count = (f.Metric(labels=labels) for f in self._families)
+        counter = pb_utils.MetricFamily.COUNTER
+        self._bounds = list(buckets)
+        self._families = [_family(f"{name}_bucket", description, counter), _family(f"{name}_sum", description, counter),
+                          _family(f"{name}_count", description, counter)]
+        les = [repr(float(b)) for b in self._bounds] + ["+Inf"]
+        self._bucket_metrics = [self._families[0].Metric(labels={**labels, "le": le}) for le in les]
+        self._sum_metric = self._families[1].Metric(labels=labels)
+        self._count_metric = self._families[2].Metric(labels=labels)
+        self._pending = [0] * len(les)  # observations per bucket since the last flush (not cumulative)
+        self._pending_sum = 0.0
 
-    def observe(self, value: float) -> None:
-        if self._hist is not None:
-            self._hist.observe(value)
-        else:
-            self._sum.increment(value)
-            self._count.increment(1)
+    def observe(self, value: float, count: int = 1) -> None:
+        self._pending[bisect.bisect_left(self._bounds, value)] += count
+        self._pending_sum += value * count
+
+    def flush(self) -> None:
+        total = sum(self._pending)
+        if not total:
+            return
+        cumulative = 0
+        for metric, n in zip(self._bucket_metrics, self._pending):
+            cumulative += n
+            if cumulative:  # bucket le=x counts every observation <= x
+                metric.increment(cumulative)
+        self._sum_metric.increment(self._pending_sum)
+        self._count_metric.increment(total)
+        self._pending = [0] * len(self._pending)
+        self._pending_sum = 0.0
+
+
+class _Counter:
+    """A counter added up in the stub and sent to Triton at each flush (one IPC round trip per flush)."""
+
+    def __init__(self, metric: Any):
+        self._metric = metric
+        self._pending = 0.0
+
+    def increment(self, value: float) -> None:
+        self._pending += value
+
+    def flush(self) -> None:
+        if self._pending:
+            self._metric.increment(self._pending)
+            self._pending = 0.0
 
 
 class ServingMetrics:
-    """Latency distributions, token counters and engine gauges; updated from the sender thread only."""
+    """Latency distributions, token counters and engine gauges; updated from the sender thread only. Counters and
+    distributions reach Triton at flush(); gauges are set at each update_engine()."""
 
     def __init__(self, model: str, version: str, instance: str = ""):
         # one series per model instance: instances share a family (same name), and a gauge written by two
@@ -62,9 +95,10 @@ class ServingMetrics:
             "healthy": _family("tandem_engine_healthy", "1 while the engine loop serves, 0 once it stopped", gauge),
         }
         f = self._families
-        self.prompt_tokens = f["prompt"].Metric(labels=labels)
-        self.generation_tokens = f["generation"].Metric(labels=labels)
-        self.finished = {r: f["requests"].Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
+        self.prompt_tokens = _Counter(f["prompt"].Metric(labels=labels))
+        self.generation_tokens = _Counter(f["generation"].Metric(labels=labels))
+        self.finished = {r: _Counter(f["requests"].Metric(labels={**labels, "finish_reason": r}))
+                         for r in FINISH_REASONS}
         self._preemptions = f["preemptions"].Metric(labels=labels)
         gauges = ("running", "waiting", "kv_usage", "kv_used", "gpu_busy", "healthy")
         self._gauges = {k: f[k].Metric(labels=labels) for k in gauges}
@@ -75,6 +109,12 @@ class ServingMetrics:
         counter = self.finished.get(finish_reason or "error")
         if counter is not None:
             counter.increment(1)
+
+    def flush(self) -> None:
+        """Send what the counters and distributions gathered since the last flush."""
+        for item in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens,
+                     *self.finished.values()):
+            item.flush()
 
     def update_engine(self, stats: dict[str, Any]) -> None:
         """Copy engine.stats() into the gauges; the engine's preemption total becomes counter increments."""

@@ -99,6 +99,13 @@ class ResponseLoop:
                 break
             self._housekeeping(time.monotonic())
         self._fail_all("request aborted: the model is unloading", pb_utils.TritonError.UNAVAILABLE)
+        self._flush_metrics()
+
+    def _flush_metrics(self) -> None:
+        try:
+            self._metrics.flush()
+        except Exception as err:  # a metrics IPC failure must not stop the responses
+            pb_utils.Logger.log_warn(f"tandem: metrics flush failed: {err!r}")
 
     def _safe_handle(self, out: Any) -> None:
         if isinstance(out, _Failure):
@@ -156,10 +163,10 @@ class ResponseLoop:
         if stream.first_token is None:
             stream.first_token = now
             self._metrics.ttft.observe(now - stream.arrival)
+            if n > 1:  # tokens that came with the first one: no time between them
+                self._metrics.itl.observe(0.0, count=n - 1)
         else:
-            gap = (now - stream.last_token) / n
-            for _ in range(n):
-                self._metrics.itl.observe(gap)
+            self._metrics.itl.observe((now - stream.last_token) / n, count=n)
         stream.last_token = now
 
     def _send(self, stream: Stream, response: Any, flags: int) -> None:
@@ -179,6 +186,7 @@ class ResponseLoop:
         if now >= self._next_cancel_check:
             self._next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
             self._check_cancelled()
+            self._flush_metrics()
             if not self.closing and not self._engine.healthy:
                 self._fail_all("engine stopped; see the server log", pb_utils.TritonError.INTERNAL)
                 self._report_dead()
