@@ -1,18 +1,15 @@
 """Several GPUs: instance_group KIND_GPU over two GPUs gives one engine per GPU, each on its own device."""
 from __future__ import annotations
 
-import json
 import re
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from loadtest.server_metrics import ServerMetrics
 from scripts.tritonserver_env import (free_port, make_model_repository, start_server, stop_server, stub_pids,
                                       wait_until_ready)
+from tests.served import finished_per_instance, greedy_texts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -68,29 +65,9 @@ def test_one_engine_per_gpu(tmp_path):
         used = [(before - torch.cuda.mem_get_info(i)[0]) / 2**30 for i, before in enumerate(free_before)]
         assert min(used) > 4, f"GiB taken on each GPU by its engine: {used}"
 
-        body = json.dumps({"text_input": "The capital of France is",
-                           "parameters": {"max_tokens": 32, "temperature": 0, "ignore_eos": True}}).encode()
-
-        def ask(_):
-            req = urllib.request.Request(f"http://localhost:{http}/v2/models/llm/generate", data=body)
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return json.load(r)["text_output"]
-
-        with ThreadPoolExecutor(32) as pool:
-            answers = list(pool.map(ask, range(64)))
+        answers = greedy_texts(http, "The capital of France is", max_tokens=32, count=64, workers=32)
         assert len(set(answers)) == 1 and answers[0]  # greedy: the same text whichever GPU answered
-
-        def per_instance() -> dict:  # requests finished, added up over each instance's series (finish reasons)
-            counts: dict = {}
-            for name, series, value in ServerMetrics(f"http://localhost:{metrics}/metrics").scrape():
-                if name == "tandem_requests_total":
-                    counts[series.get("instance")] = counts.get(series.get("instance"), 0) + value
-            return counts
-
-        deadline = time.monotonic() + 10
-        while sum(per_instance().values()) < 64 and time.monotonic() < deadline:  # counters move on the sender
-            time.sleep(0.2)
-        served = per_instance()
+        served = finished_per_instance(metrics, expected_total=64)
         print(f"requests per instance: {served}; devices: {ready}; GiB used per GPU: {used}")
         assert sum(served.values()) == 64 and set(served) == labels
     finally:

@@ -5,14 +5,12 @@ instance's finalize until Triton's exit timeout killed the server.
 """
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 from loadtest.server_metrics import ServerMetrics
 from scripts.tritonserver_env import (free_port, make_model_repository, start_server, stop_server, stub_pids,
                                       wait_until_ready)
+from tests.served import finished_per_instance, greedy_texts
 
 SINGLE = "instance_group [ { kind: KIND_MODEL, count: 1 } ]"
 TWO_CPU = "instance_group [ { kind: KIND_CPU, count: 2 } ]"
@@ -29,28 +27,13 @@ def test_two_instances_serve_report_separately_and_stop_cleanly(tmp_path):
     try:
         wait_until_ready(proc, http, timeout=240, model_name="llm")
         assert len(stub_pids(str(repo))) == 2
-        body = json.dumps({"text_input": "The capital of France is",
-                           "parameters": {"max_tokens": 6, "temperature": 0, "ignore_eos": True}}).encode()
-
-        def ask(_):
-            req = urllib.request.Request(f"http://localhost:{http}/v2/models/llm/generate", data=body)
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return json.load(r)["text_output"]
-
-        with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(ask, range(6)))
+        answers = greedy_texts(http, "The capital of France is", max_tokens=6, count=6, workers=6)
         assert len(set(answers)) == 1 and answers[0]  # greedy: the same text from either engine
 
         samples = ServerMetrics(f"http://localhost:{metrics}/metrics").scrape()
         healthy = {labels.get("instance"): value for name, labels, value in samples if name == "tandem_engine_healthy"}
         assert healthy == {"llm_0_0": 1.0, "llm_0_1": 1.0}
-        finished = sum(v for name, labels, v in samples if name == "tandem_requests_total")
-        deadline = time.monotonic() + 10
-        while finished < 6 and time.monotonic() < deadline:  # the counters move on the sender thread
-            time.sleep(0.2)
-            finished = sum(v for name, _, v in ServerMetrics(f"http://localhost:{metrics}/metrics").scrape()
-                           if name == "tandem_requests_total")
-        assert finished == 6
+        assert sum(finished_per_instance(metrics, expected_total=6).values()) == 6
     finally:
         started = time.monotonic()
         code = stop_server(proc, timeout=90)
