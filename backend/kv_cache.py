@@ -125,10 +125,10 @@ class BlockManager:
         full = min(full, len(req.block_ids))
         if full <= len(req.block_hashes):
             return
-        tokens = req.all_token_ids()
         parent = req.block_hashes[-1] if req.block_hashes else 0
+        bs = self.block_size
         for i in range(len(req.block_hashes), full):
-            h = hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
+            h = hash((parent, tuple(req.token_slice(i * bs, (i + 1) * bs))))
             block = req.block_ids[i]
             req.block_hashes.append(h)
             if h not in self.hash_to_block:

@@ -188,9 +188,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def all_token_ids(self) -> list[int]:
-        """Known tokens (prompt + read outputs); excludes a token still on the device."""
-        return self.prompt_token_ids + self.output_token_ids
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Known tokens [start, end) of prompt + outputs, without copying the whole of both lists."""
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
 
 @dataclass(slots=True)

@@ -88,8 +88,7 @@ class ModelRunner:
                 slots_[t] = blocks[start // bs] * bs + start % bs
             else:  # a prefill chunk: every token is known on the host
                 p = np.arange(start, end)
-                known = req.prompt_token_ids if end <= req.num_prompt_tokens else req.all_token_ids()
-                ids[t:t + n] = known[start:end]
+                ids[t:t + n] = req.token_slice(start, end)
                 pos[t:t + n] = p
                 carry[t:t + n] = -1
                 slots_[t:t + n] = np.asarray(blocks)[p // bs] * bs + p % bs
