@@ -80,11 +80,14 @@ class Engine:
         return self._healthy and self._thread.is_alive() and not self._stopping
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, sink=None) -> RequestStream | None:
-        """Queue a request; returns a stream of its outputs, or None when a sink receives them."""
-        req, stream = self._prepare(prompt, params, request_id, sink)
+                    request_id: str | None = None, sink=None, stream: bool = True) -> RequestStream | None:
+        """Queue a request; returns a stream of its outputs, or None when a sink receives them.
+
+        stream=False: only the final output is wanted; without stop strings or logprobs the loop then sends the
+        output thread nothing per token (the final output carries first_token_time for latency figures)."""
+        req, outputs = self._prepare(prompt, params, request_id, sink, stream_outputs=stream)
         self._inbox.put(("add", [req]))
-        return stream
+        return outputs
 
     def _prepare(self, prompt, params, request_id, sink, stream_outputs: bool = True
                  ) -> tuple[Request, RequestStream | None]:

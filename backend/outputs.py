@@ -216,7 +216,8 @@ class OutputProcessor:
             text=state.text, delta_token_ids=delta_ids, delta_text=delta_text, finished=reason is not None,
             finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
             logprobs=state.logprobs, delta_logprobs=delta_lp, error=ev.error,
-            num_cached_tokens=req.num_cached_tokens)
+            num_cached_tokens=req.num_cached_tokens,
+            first_token_time=req.first_token_time if reason is not None else None)
         if reason is not None:
             state.released = True
             self._release(req.request_id)

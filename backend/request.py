@@ -215,6 +215,7 @@ class RequestOutput:
     delta_logprobs: list[dict[str, Any]] | None = None
     error: str | None = None  # message when finish_reason == "error"
     num_cached_tokens: int = 0
+    first_token_time: float | None = None  # final outputs: time.monotonic() when the engine read the first token
 
     @property
     def token_ids(self) -> list[int]:

@@ -279,25 +279,29 @@ def test_latency_histograms_count_every_request_and_token(triton_server):
     before = latency_series(triton_server)
     generated_before = scrape(triton_server, "tandem_generation_tokens_total")
     sampling = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    results = run_on_streams(triton_server, {f"h{i}": grpc_inputs(PROMPTS[i % len(PROMPTS)], sampling=sampling)
-                                             for i in range(8)})
+    # 8 streaming requests and 4 that want the final response only (their tokens all reach the adapter at the end)
+    requests = {f"h{i}": grpc_inputs(PROMPTS[i % len(PROMPTS)], sampling=sampling) for i in range(8)}
+    requests.update({f"f{i}": grpc_inputs(PROMPTS[i % len(PROMPTS)], stream=False, sampling=sampling)
+                     for i in range(4)})
+    results = run_on_streams(triton_server, requests)
     assert all(not r.errors and r.finals == 1 for r in results.values())
+    assert all(len(results[f"f{i}"].responses) == 1 for i in range(4))
 
     def delta(base: str, key: str) -> float:
         return latency_series(triton_server).get(base, {}).get(key, 0.0) - before.get(base, {}).get(key, 0.0)
 
-    wait_for(lambda: delta("tandem_request_latency_seconds", "count") >= 8, 10, "the metrics flush")
+    wait_for(lambda: delta("tandem_request_latency_seconds", "count") >= 12, 10, "the metrics flush")
     time.sleep(0.3)  # any later flush would show up now
     after = latency_series(triton_server)
-    expected = {"tandem_time_to_first_token_seconds": 8, "tandem_inter_token_latency_seconds": 8 * 11,
-                "tandem_request_latency_seconds": 8}
+    expected = {"tandem_time_to_first_token_seconds": 12, "tandem_inter_token_latency_seconds": 12 * 11,
+                "tandem_request_latency_seconds": 12}
     for base, count in expected.items():
         got = {k: v - before.get(base, {}).get(k, 0.0) for k, v in after[base].items()}
         assert got["count"] == count, (base, got)
         assert got["+Inf"] == count and got["sum"] >= 0
         bounds = sorted((float(k), v) for k, v in got.items() if k not in ("count", "sum", "+Inf"))
         assert [v for _, v in bounds] == sorted(v for _, v in bounds), f"{base}: buckets must be cumulative"
-    assert scrape(triton_server, "tandem_generation_tokens_total") - generated_before == 96
+    assert scrape(triton_server, "tandem_generation_tokens_total") - generated_before == 144
 
 
 def test_cancelled_stream_frees_kv_blocks(triton_server):

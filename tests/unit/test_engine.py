@@ -367,8 +367,9 @@ def test_shutdown_answers_every_request(root):
 
 
 def test_final_only_requests_send_one_event_each_and_keep_their_tokens_when_cut_short(root):
-    """generate() wants final outputs only: the loop sends the output thread one event per request, not one per
-    token; a request cut short (here by shutdown) still gets the tokens it had."""
+    """generate() and add_request(stream=False) want final outputs only: the loop sends the output thread one event
+    per request, not one per token, and the final output says when the first token came; a request cut short
+    (here by shutdown) still gets the tokens it had."""
     import threading
 
     path = build_tiny("llama", root)
@@ -379,10 +380,15 @@ def test_final_only_requests_send_one_event_each_and_keep_their_tokens_when_cut_
     engine.outputs.push = lambda events: (pushed.append(len(events)), push(events))[1]
     try:
         full = engine.generate(prompts, greedy(40))
+        started = time.monotonic()
+        single = engine.add_request(prompts[0], greedy(40), stream=False)  # a server's non-streaming request
+        final = single.result()
     finally:
         engine.shutdown()
-    assert sum(pushed) == 2
+    assert sum(pushed) == 3
     assert [len(o.token_ids) for o in full] == [40, 40] and all(o.text for o in full)
+    assert final.token_ids == full[0].token_ids and final.text == full[0].text
+    assert started < final.first_token_time < time.monotonic()
 
     engine = make_engine(path, True)
     got = {}

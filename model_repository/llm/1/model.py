@@ -125,7 +125,8 @@ class TritonPythonModel:
             pb_utils.Logger.log_info(f"tandem: request {request_id} prompt={req.prompt!r}")
         self.loop.register(Stream(request_id, sender, req, self._prefix(req), time.monotonic()))
         try:
-            self.engine.add_request(req.prompt, req.params, request_id=request_id, sink=self.loop.queue)
+            self.engine.add_request(req.prompt, req.params, request_id=request_id, sink=self.loop.queue,
+                                    stream=req.stream)
         except Exception as err:
             if isinstance(err, ValueError):
                 code, msg = pb_utils.TritonError.INVALID_ARG, str(err)

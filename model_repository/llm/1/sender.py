@@ -161,10 +161,12 @@ class ResponseLoop:
             return
         self._metrics.generation_tokens.increment(n)
         if stream.first_token is None:
-            stream.first_token = now
-            self._metrics.ttft.observe(now - stream.arrival)
-            if n > 1:  # tokens that came with the first one: no time between them
-                self._metrics.itl.observe(0.0, count=n - 1)
+            # a final-only request's tokens all come at its end; the engine says when the first one was read
+            first = getattr(out, "first_token_time", None) or now
+            stream.first_token = first
+            self._metrics.ttft.observe(first - stream.arrival)
+            if n > 1:  # the tokens after the first, spread over the time since it (0 when they came with it)
+                self._metrics.itl.observe((now - first) / (n - 1), count=n - 1)
         else:
             self._metrics.itl.observe((now - stream.last_token) / n, count=n)
         stream.last_token = now
