@@ -32,12 +32,18 @@ class Timeline:
         self.use_cuda = use_cuda
         self.enabled = False
         self.spans: collections.deque[Span] = collections.deque(maxlen=max_spans)
-        self._pending_gpu: list[tuple[str, object, object, int]] = []  # (name, start event, end event, step)
+        # (name, start event, end event, step), in recording order
+        self._pending_gpu: collections.deque[tuple[str, object, object, int]] = collections.deque()
         self._open_gpu: dict[str, object] = {}
         self._free_events: list = []
         self._step = 0
         self._origin = time.perf_counter()
         self._anchor = None
+        # running GPU busy time, for the server's recent figure without a summary over thousands of spans: GPU
+        # spans merged in the order they resolve (a span that fills an earlier gap is missed, so it can read low)
+        self._busy_s = 0.0
+        self._busy_end = 0.0
+        self._mark = (0.0, 0.0)  # (busy seconds, time) when recent_busy_fraction last answered
         if enabled:
             self.enable()
 
@@ -46,6 +52,8 @@ class Timeline:
         self.spans.clear()
         self._pending_gpu.clear()
         self._step = 0
+        self._busy_s = self._busy_end = 0.0
+        self._mark = (0.0, 0.0)
         if self.use_cuda:
             # why: GPU spans are placed on the host clock relative to this event, so it must have executed
             self._anchor = torch.cuda.Event(enable_timing=True)
@@ -74,6 +82,8 @@ class Timeline:
 
     def next_step(self) -> None:
         self._step += 1
+        if self._pending_gpu:
+            self._resolve_finished()
 
     def gpu_begin(self, name: str, stream) -> None:
         if not self.enabled:
@@ -94,20 +104,43 @@ class Timeline:
             ev.record(stream)  # why: the end of this stream's work for the span
             self._pending_gpu.append((name, start, ev, self._step))
         else:
-            self.spans.append(Span("gpu", name, start, self.now(), self._step))
+            self._add_gpu_span(Span("gpu", name, start, self.now(), self._step))
+
+    def _add_gpu_span(self, span: Span) -> None:
+        self.spans.append(span)
+        if span.end > self._busy_end:
+            self._busy_s += span.end - max(span.start, self._busy_end)
+            self._busy_end = span.end
+
+    def _resolve_finished(self) -> None:
+        """Resolve the oldest pending spans whose steps are behind us, each step a few: spread out, not a burst
+        of hundreds of event queries when a summary is asked for. Stops at the first span still running."""
+        pending = self._pending_gpu
+        while pending and pending[0][3] < self._step - 1 and pending[0][2].query():
+            self._resolve_one(*pending.popleft())
+
+    def _resolve_one(self, name: str, s, e, step: int) -> None:
+        self._add_gpu_span(Span("gpu", name, self._anchor.elapsed_time(s) / 1e3, self._anchor.elapsed_time(e) / 1e3,
+                                step))
+        self._free_events += (s, e)  # both done (s was recorded before e on the same stream): reusable
 
     def resolve(self) -> None:
-        """Turn finished GPU events into spans; call after a synchronisation point."""
-        still = []
-        for name, s, e, step in self._pending_gpu:
-            if not e.query():
-                still.append((name, s, e, step))
-                continue
-            start = self._anchor.elapsed_time(s) / 1e3
-            end = self._anchor.elapsed_time(e) / 1e3
-            self.spans.append(Span("gpu", name, start, end, step))
-            self._free_events += (s, e)  # both done (s was recorded before e on the same stream): reusable
+        """Turn every finished GPU event into a span; call after a synchronisation point."""
+        still: collections.deque = collections.deque()
+        for item in self._pending_gpu:
+            if item[2].query():
+                self._resolve_one(*item)
+            else:
+                still.append(item)
         self._pending_gpu = still
+
+    def recent_busy_fraction(self) -> float:
+        """GPU busy share of the wall time since the previous call (or since enable), from the running total: O(1),
+        so the engine loop can report it without a summary over the recorded spans."""
+        now = self.now()
+        busy, since = self._mark
+        self._mark = (self._busy_s, now)
+        return min(1.0, (self._busy_s - busy) / max(now - since, 1e-9))
 
     def _event(self):
         """A timing event, reused once resolved: six a step would otherwise be created and destroyed."""
