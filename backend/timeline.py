@@ -5,6 +5,7 @@ import collections
 import contextlib
 import json
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ class Timeline:
         self._busy_s = 0.0
         self._busy_end = 0.0
         self._mark = (0.0, 0.0)  # (busy seconds, time) when recent_busy_fraction last answered
+        # the loop resolves events each step; summary() may resolve the rest from another thread (a benchmark)
+        self._resolve_lock = threading.Lock()
         if enabled:
             self.enable()
 
@@ -83,7 +86,8 @@ class Timeline:
     def next_step(self) -> None:
         self._step += 1
         if self._pending_gpu:
-            self._resolve_finished()
+            with self._resolve_lock:
+                self._resolve_finished()
 
     def gpu_begin(self, name: str, stream) -> None:
         if not self.enabled:
@@ -126,13 +130,14 @@ class Timeline:
 
     def resolve(self) -> None:
         """Turn every finished GPU event into a span; call after a synchronisation point."""
-        still: collections.deque = collections.deque()
-        for item in self._pending_gpu:
-            if item[2].query():
-                self._resolve_one(*item)
-            else:
-                still.append(item)
-        self._pending_gpu = still
+        with self._resolve_lock:
+            still: collections.deque = collections.deque()
+            for item in self._pending_gpu:
+                if item[2].query():
+                    self._resolve_one(*item)
+                else:
+                    still.append(item)
+            self._pending_gpu = still
 
     def recent_busy_fraction(self) -> float:
         """GPU busy share of the wall time since the previous call (or since enable), from the running total: O(1),
