@@ -275,8 +275,9 @@ class Engine:
             if events:
                 self.outputs.push(events)
 
-    def _update(self, st: StepState, result: StepResult, next_state: StepState | None) -> list[StepEvent]:
-        events: list[StepEvent] = []
+    def _update(self, st: StepState, result: StepResult, next_state: StepState | None
+                ) -> list[StepEvent | tuple[str, int]]:
+        events: list[StepEvent | tuple[str, int]] = []
         lps = result.logprobs
         for i, (req, tok) in enumerate(zip(result.requests, result.token_ids)):
             if req.is_finished:
@@ -299,6 +300,9 @@ class Engine:
                     top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k]))
                 lp = (lps[i], top)
             reason = self._stop_reason(req, tok)
+            if lp is None and reason is None:
+                events.append((req.request_id, tok))  # the common case: a bare pair, made an event off the loop
+                continue
             events.append(StepEvent(req.request_id, tok, lp, reason))
             if reason is not None:
                 self._finish(req, reason, next_state)

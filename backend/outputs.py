@@ -81,7 +81,8 @@ class OutputProcessor:
         """Forget a registered request that never reached the engine."""
         self._release(request_id)
 
-    def push(self, events: list[StepEvent]) -> None:
+    def push(self, events: list) -> None:
+        """A step's StepEvents, or (request_id, token) pairs for plain tokens (no logprobs, not the last)."""
         self._queue.put(events)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -110,6 +111,8 @@ class OutputProcessor:
         request at the token that completed it whatever the batch holds."""
         groups: dict[str, list[StepEvent]] = {}
         for ev in events:
+            if type(ev) is tuple:  # the loop's (request_id, token) for a plain token
+                ev = StepEvent(ev[0], ev[1], None, None)
             groups.setdefault(ev.request_id, []).append(ev)
         staged: list[_Staged] = []
         for n, (request_id, group) in enumerate(groups.items()):
