@@ -2,6 +2,8 @@
 # GPU machine, one call: Tandem served by a real tritonserver (the one carried from the nvidia-pytriton wheel),
 # compared with the engine alone (scripts.serve_bench), then Locust at 32, 64 and 128 users. Figures under $OUT.
 # TRITON_TESTS=<pytest paths> first runs tests that need the carried tritonserver (e.g. the multi-GPU test).
+# At most seven files come back: serve_bench.log, triton_tests.log, locust.jsonl (one summary per user count),
+# locust_server.log and the last level's three charts.
 #
 # The machine has no registry: carry `.whl/` (git-ignored) holding pytriton-trim.tar.xz (the wheel's pytriton/ and
 # nvidia_pytriton.libs/ without what a Python 3.12 server doesn't need), numpy-1.26.4 (the wheel's stub needs
@@ -42,7 +44,8 @@ if [ "${LOCUST:-1}" = 1 ]; then
       --metrics-url http://localhost:8002/metrics \
       > "/tmp/lt$users.log" 2>&1
     echo "users=$users rc=$?: $(tail -2 /tmp/lt$users.log | head -1)"
-    cp "/tmp/lt$users/summary.json" "$OUT/locust_$users.json" 2>/dev/null
+    [ -f "/tmp/lt$users/summary.json" ] && "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); \
+print(json.dumps({'users': int(sys.argv[2]), **d}))" "/tmp/lt$users/summary.json" "$users" >> "$OUT/locust.jsonl"
   done
   last=$(echo ${USERS:-32 64 128} | awk '{print $NF}')
   for png in /tmp/lt$last/*.png; do [ -e "$png" ] && cp "$png" "$OUT/locust_${last}_$(basename "$png")"; done
