@@ -286,24 +286,24 @@ class Engine:
             req.accept_token(tok)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            if req.final_only:  # no per-step event: the output thread hears of it once, at the end
-                reason = self._stop_reason(req, tok)
-                if reason is not None:
-                    events.append(StepEvent(req.request_id, tok, None, reason, all_tokens=req.output_token_ids))
-                    self._finish(req, reason, next_state)
-                continue
-            lp = None
-            if lps is not None:
-                top = None
-                if result.top_ids is not None and req.params.logprobs:
-                    k = req.params.logprobs
-                    top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k]))
-                lp = (lps[i], top)
             reason = self._stop_reason(req, tok)
-            if lp is None and reason is None:
-                events.append((req.request_id, tok))  # the common case: a bare pair, made an event off the loop
-                continue
-            events.append(StepEvent(req.request_id, tok, lp, reason))
+            if req.final_only:  # no per-step event: the output thread hears of it once, at the end
+                if reason is None:
+                    continue
+                event = StepEvent(req.request_id, tok, None, reason, all_tokens=req.output_token_ids)
+            else:
+                lp = None
+                if lps is not None:
+                    top = None
+                    if result.top_ids is not None and req.params.logprobs:
+                        k = req.params.logprobs
+                        top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k]))
+                    lp = (lps[i], top)
+                if lp is None and reason is None:
+                    events.append((req.request_id, tok))  # the common case: a bare pair, made an event off the loop
+                    continue
+                event = StepEvent(req.request_id, tok, lp, reason)
+            events.append(event)
             if reason is not None:
                 self._finish(req, reason, next_state)
         bm = self.block_manager

@@ -169,14 +169,14 @@ class OutputProcessor:
         if item.last.all_tokens is not None:  # a final-only request's one event carries all of its tokens
             state.token_ids[:] = item.last.all_tokens
             item.has_tokens = bool(state.token_ids)
-            group = []
-        for ev in group:
-            if ev.token is None:
-                continue
-            item.has_tokens = True
-            state.token_ids.append(ev.token)
-            if ev.logprob is not None and state.logprobs is not None:
-                state.logprobs.append(_logprob_entry(ev.token, ev.logprob))
+        else:
+            for ev in group:
+                if ev.token is None:
+                    continue
+                item.has_tokens = True
+                state.token_ids.append(ev.token)
+                if ev.logprob is not None and state.logprobs is not None:
+                    state.logprobs.append(_logprob_entry(ev.token, ev.logprob))
         last = item.last
         # the token that stopped the request (EOS / a stop id) is in token_ids but not in the text
         hidden = last.finish_reason == FINISH_STOP and last.token is not None

@@ -89,10 +89,9 @@ class ResponseLoop:
                     items.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            gate = getattr(self._engine, "gate", None)
             for n, item in enumerate(coalesce_outputs(items)):  # a request's updates waiting together: one response
-                if gate is not None and n % _RESPONSES_PER_PASS == 0:
-                    gate.pass_()  # the engine loop's CPU work goes first (backend/loop_gate.py)
+                if n % _RESPONSES_PER_PASS == 0:
+                    self._engine.gate.pass_()  # the engine loop's CPU work goes first (backend/loop_gate.py)
                 if item is not _STOP:
                     self._safe_handle(item)
             if any(item is _STOP for item in items):
@@ -162,7 +161,7 @@ class ResponseLoop:
         self._metrics.generation_tokens.increment(n)
         if stream.first_token is None:
             # a final-only request's tokens all come at its end; the engine says when the first one was read
-            first = getattr(out, "first_token_time", None) or now
+            first = out.first_token_time or now
             stream.first_token = first
             self._metrics.ttft.observe(first - stream.arrival)
             if n > 1:  # the tokens after the first, spread over the time since it (0 when they came with it)
