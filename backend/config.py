@@ -29,6 +29,7 @@ class EngineConfig:
     loop_gate: bool = True  # CUDA: output/sender threads do their Python while the loop waits (loop_gate.py)
     max_graph_batch_size: int = 256  # largest decode batch with a captured graph
     attention_backend: str = "auto"  # auto | torch | triton
+    linear_backend: str = "auto"  # auto (measured table) | triton | cublas: decode GEMMs on the triton path
     seed: int = 0  # seed for requests that bring none
     timeline: bool = False  # record CPU/GPU spans from the start (switchable at run time)
     max_stop_strings: int = 16
@@ -76,6 +77,8 @@ class EngineConfig:
         _positive("max_graph_batch_size", self.max_graph_batch_size)
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.linear_backend not in ("auto", "triton", "cublas"):
+            raise ValueError(f"linear_backend must be auto, triton or cublas, got {self.linear_backend!r}")
         _positive("max_stop_strings", self.max_stop_strings)
         _positive("max_stop_string_length", self.max_stop_string_length)
         if not isinstance(self.test_fault_every_n_steps, int) or self.test_fault_every_n_steps < 0:

@@ -73,7 +73,8 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
 
         path = resolve_model_path(config.model, config.cache_dir)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = load_model(path, dtype=dtype, device=device, attention_backend=backend)
+        model = load_model(path, dtype=dtype, device=device, attention_backend=backend,
+                           linear_backend=config.linear_backend)
     spec = model.spec
     max_len = config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_MAX_LEN_CAP)
     if max_len > spec.max_position_embeddings:

@@ -55,7 +55,7 @@ class DecoderLayer(nn.Module):
             residual, x = h, ops.rms_norm(h, self.input_norm, eps)
         else:
             x, residual = ops.add_rms_norm(h, residual, self.input_norm, eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (Hq + 2 Hkv) D)
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (Hq + 2 Hkv) D)
         q, k, v = qkv.split(model.qkv_sizes, dim=-1)
         t = x.shape[0]
         q = q.view(t, spec.num_heads, spec.head_dim)  # (T, Hq, D)
@@ -63,12 +63,12 @@ class DecoderLayer(nn.Module):
         v = v.view(t, spec.num_kv_heads, spec.head_dim)  # (T, Hkv, D)
         if self.q_norm is not None:
             q, k = ops.rms_norm(q, self.q_norm, eps), ops.rms_norm(k, self.k_norm, eps)
-        q, k = ops.apply_rope(q, k, positions, model.cos_sin_cache)
-        attn = ops.paged_attention(q, k, v, kv_layer, meta, model.scale)  # (T, Hq, D)
-        h = F.linear(attn.reshape(t, -1), self.o_weight, self.o_bias)  # (T, H)
+        q = ops.rope_write_kv(q, k, v, positions, model.cos_sin_cache, kv_layer, meta.slot_mapping)
+        attn = ops.paged_attention(q, None, None, kv_layer, meta, model.scale)  # (T, Hq, D); K/V from the cache
+        h = ops.linear(attn.reshape(t, -1), self.o_weight, self.o_bias)  # (T, H)
         x, residual = ops.add_rms_norm(h, residual, self.post_norm, eps)
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # (T, 2 I)
-        h = F.linear(ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)  # (T, H)
+        gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)  # (T, 2 I)
+        h = ops.linear(ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)  # (T, H)
         return h, residual
 
 
@@ -116,7 +116,7 @@ class LlamaFamilyModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, H) -> logits (N, V) float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.ops.linear(hidden, self.lm_head).float()
 
 
 def build_cos_sin_cache(config, model_type: str, head_dim: int, device: torch.device) -> torch.Tensor:

@@ -21,7 +21,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
-def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: str = "torch") -> LlamaFamilyModel:
+def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: str = "torch",
+               linear_backend: str = "auto") -> LlamaFamilyModel:
     """Read config.json and *.safetensors from `path`; never runs remote code or unpickles weights."""
     folder = Path(path)
     device = torch.device(device)
@@ -30,7 +31,7 @@ def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: 
     spec = _make_spec(config, folder, dtype)
     if attention_backend == "auto":
         attention_backend = "triton" if device.type == "cuda" else "torch"
-    ops = get_ops(attention_backend)
+    ops = get_ops(attention_backend, linear_backend)
     if is_random_checkpoint(folder):
         weights = random_weights(folder, config, spec, dtype, device)
     else:

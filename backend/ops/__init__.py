@@ -5,12 +5,15 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import torch.nn.functional as F
+
 from backend.ops import layers as _torch_layers
 from backend.ops.attention import AttentionMetadata, paged_attention as _torch_paged_attention
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "triton")
+LINEAR_BACKENDS = ("auto", "cublas", "triton")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,34 +25,46 @@ class Ops:
     rms_norm: Callable
     add_rms_norm: Callable
     apply_rope: Callable
+    rope_write_kv: Callable  # apply_rope + this step's K/V into the cache; returns the rotated q
     silu_and_mul: Callable
+    linear: Callable  # F.linear's signature: (x, weight, bias)
 
 
-def _from_modules(name: str, attention: Callable, layers) -> Ops:
+def _from_modules(name: str, attention: Callable, layers, linear: Callable = F.linear) -> Ops:
     return Ops(
         name=name,
         paged_attention=attention,
         rms_norm=layers.rms_norm,
         add_rms_norm=layers.add_rms_norm,
         apply_rope=layers.apply_rope,
+        rope_write_kv=layers.rope_write_kv,
         silu_and_mul=layers.silu_and_mul,
+        linear=linear,
     )
 
 
-def get_ops(backend: str) -> Ops:
-    """Ops for "torch" or "triton"; Triton falls back to torch (with a warning) when it cannot be imported."""
+def get_ops(backend: str, linear_backend: str = "auto") -> Ops:
+    """Ops for "torch" or "triton"; Triton falls back to torch (with a warning) when it cannot be imported.
+
+    linear_backend, on the triton path: "auto" takes the decode-sized GEMM kernel for the shapes where it was
+    measured faster than cuBLAS (triton_linear.H200_CONFIGS), "triton" for every batch of up to 64 rows, "cublas"
+    never. The torch path always uses F.linear."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    if linear_backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {linear_backend!r}")
     if backend == "triton":
         try:
             # imported lazily: triton is absent on CPU-only machines
-            from backend.ops import triton_layers
+            from backend.ops import triton_layers, triton_linear
             from backend.ops.triton_attention import paged_attention as triton_paged_attention
 
-            return _from_modules("triton", triton_paged_attention, triton_layers)
+            linear = {"auto": triton_linear.tuned_linear, "triton": triton_linear.linear, "cublas": F.linear}[
+                linear_backend]
+            return _from_modules("triton", triton_paged_attention, triton_layers, linear)
         except Exception as exc:  # ImportError, or a triton install that fails to initialise
             logger.warning("triton ops unavailable (%s: %s); using the torch ops", type(exc).__name__, exc)
     return _from_modules("torch", _torch_paged_attention, _torch_layers)
 
 
-__all__ = ["AttentionMetadata", "Ops", "get_ops", "BACKENDS"]
+__all__ = ["AttentionMetadata", "Ops", "get_ops", "BACKENDS", "LINEAR_BACKENDS"]

@@ -29,8 +29,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slo
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     kv_cache_layer: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -40,8 +40,10 @@ def paged_attention(
     Vectorised over the batch: queries are scattered into a padded (B, Qmax) grid and the context blocks are
     gathered into a padded (B, L) view. Only device ops and host ints from `meta`, so decode steps can be
     captured in a CUDA graph (shapes are static given B, Qmax and the block-table width).
+    k and v None: this step's K/V are already in the cache (rope_write_kv put them there).
     """
-    write_kv(k, v, kv_cache_layer, meta.slot_mapping)
+    if k is not None:
+        write_kv(k, v, kv_cache_layer, meta.slot_mapping)
     num_tokens, hq, d = q.shape
     _, _, bs, hkv, _ = kv_cache_layer.shape
     if hq % hkv:

@@ -38,6 +38,16 @@ def apply_rope(
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """apply_rope, then the rotated k and v into the paged cache at slot_mapping; returns the rotated q."""
+    from backend.ops.attention import write_kv  # here, not at the top: attention.py is the heavier module
+
+    q, k = apply_rope(q, k, positions, cos_sin_cache)
+    write_kv(k, v, kv_cache_layer, slot_mapping)
+    return q
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

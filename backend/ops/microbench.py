@@ -13,7 +13,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-__all__ = ["bench_decode_attention", "bench_prefill_attention", "bench_weight_pass", "sweep_decode", "sweep_prefill"]
+__all__ = ["bench_decode_attention", "bench_prefill_attention", "bench_weight_pass", "sweep_decode", "sweep_prefill",
+           "sweep_linear"]
 
 
 _DEV = "cuda"
@@ -165,10 +166,11 @@ def bench_prefill_attention(num_tokens=2048, num_seqs=1, num_heads=32, num_kv_he
 
 
 def bench_weight_pass(hidden=4096, intermediate=14336, layers=32, vocab=128256, heads=32, kv_heads=8, batch=32,
-                      with_layers=False) -> dict:
+                      with_layers=False, linear=F.linear) -> dict:
     """One decode step's fused GEMMs (qkv, o, gate_up, down per layer, then lm_head), random bf16 weights.
 
-    with_layers adds the fused Triton norm and activation kernels between them (attention itself is left out)."""
+    with_layers adds the fused Triton norm and activation kernels between them (attention itself is left out);
+    linear is F.linear (cuBLAS) or triton_linear.linear."""
     _require_cuda()
     dev, dt = _DEV, torch.bfloat16
     head_dim = hidden // heads
@@ -190,19 +192,54 @@ def bench_weight_pass(hidden=4096, intermediate=14336, layers=32, vocab=128256, 
         h = x
         residual = x
         for wqkv, wo, wgu, wd in ws:
-            qkv = F.linear(h, wqkv)
+            qkv = linear(h, wqkv)
             attn = qkv[:, : heads * head_dim]  # stands in for attention's output (same shape)
-            h = F.linear(attn, wo)
+            h = linear(attn, wo)
             if with_layers:
                 h, residual = tly.add_rms_norm(h, residual, norm_w, 1e-5)
-                act = tly.silu_and_mul(F.linear(h, wgu))
+                act = tly.silu_and_mul(linear(h, wgu))
             else:
-                act = F.linear(h, wgu)[:, :intermediate]
-            h = F.linear(act, wd)
-        return F.linear(h, lm_head)
+                act = linear(h, wgu)[:, :intermediate]
+            h = linear(act, wd)
+        return linear(h, lm_head)
 
     ms = _time_graph(step, replays=10, repeats=5)
     return dict(ms=ms, tb_per_s=nbytes / ms / 1e9, gbytes=nbytes / 1e9)
+
+
+LINEAR_SHAPES = {  # (N, K) of the decode GEMMs: Llama-3-8B and Llama-3.2-1B
+    "8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096), "8b_down": (4096, 14336),
+    "8b_lm_head": (128256, 4096), "1b_qkv": (3072, 2048), "1b_o": (2048, 2048), "1b_gate_up": (16384, 2048),
+    "1b_down": (2048, 8192),
+}
+LINEAR_SWEEP = ((32, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
+                (64, 256, 8, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3))
+
+
+def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP) -> list:
+    """Each decode GEMM shape: cuBLAS, the kernel's own choice, and every config in `configs`; TB/s of W."""
+    from backend.ops import triton_linear as tlin
+
+    out = []
+    for name, (n, k) in (shapes or LINEAR_SHAPES).items():
+        w = torch.empty(n, k, dtype=torch.bfloat16, device=_DEV).normal_(0.0, k ** -0.5)
+        for rows in rows_list:
+            x = torch.randn(rows, k, dtype=torch.bfloat16, device=_DEV)
+            row = dict(shape=name, rows=rows, auto=tlin.choose_config(n, k, tlin._sm_count(w.device)))
+            row["cublas"] = w.numel() * 2 / _time_graph(lambda: F.linear(x, w)) / 1e9
+            row["triton_auto"] = w.numel() * 2 / _time_graph(lambda: tlin.linear(x, w)) / 1e9
+            for cfg in configs:
+                c = tlin.LinearConfig(*cfg)
+                r = _guarded(lambda **_: dict(ms=_time_graph(lambda: tlin.linear(x, w, config=c))))
+                row["x".join(map(str, cfg))] = 0.0 if r["ms"] != r["ms"] else w.numel() * 2 / r["ms"] / 1e9
+            best = max((key for key in row if key not in ("shape", "rows", "auto")), key=lambda key: row[key])
+            row["best"] = best
+            out.append(row)
+            print(f"  {name:11s} rows={rows:3d} cublas={row['cublas']:.3f} auto={row['triton_auto']:.3f} "
+                  f"({row['auto'].block_n}x{row['auto'].block_k}) best={best} {row[best]:.3f} TB/s", flush=True)
+            row["auto"] = str(row["auto"])
+        del w
+    return out
 
 
 def _fmt(v):
@@ -212,9 +249,23 @@ def _fmt(v):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sweep", action="store_true", help="also sweep decode launch configurations")
+    ap.add_argument("--linear", action="store_true", help="only the decode GEMMs: cuBLAS against triton_linear")
     args = ap.parse_args(argv)
     _require_cuda()
     results = {"device": torch.cuda.get_device_name()}
+    if args.linear:
+        from backend.ops import triton_linear as tlin
+
+        results["linear_sweep"] = sweep_linear()
+        for batch in (1, 32, 64):
+            for label, fn in (("cublas", F.linear), ("triton", tlin.linear), ("tuned", tlin.tuned_linear)):
+                results[f"weight_pass_b{batch}_{label}"] = r = bench_weight_pass(batch=batch, linear=fn)
+                print(f"weight pass batch {batch} {label}: {r['ms']:.3f} ms {r['tb_per_s']:.3f} TB/s", flush=True)
+        for label, fn in (("cublas", F.linear), ("tuned", tlin.tuned_linear)):
+            results[f"weight_pass_layers_b32_{label}"] = r = bench_weight_pass(with_layers=True, linear=fn)
+            print(f"weight pass + layers batch 32 {label}: {r['ms']:.3f} ms {r['tb_per_s']:.3f} TB/s", flush=True)
+        print(json.dumps(results, separators=(",", ":")))
+        return 0
     if args.sweep:
         results["decode_sweep"] = (sweep_decode() + sweep_decode(batch=64, context=1024, splits=(1, 2, 4))
                                    + sweep_decode(batch=4, context=32768, splits=(8, 16, 17, 32))

@@ -355,12 +355,15 @@ def prefill_attention(q, kv_cache_layer, meta, scale, out=None, *, block_m=None,
     return out
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor,
+def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache_layer: torch.Tensor,
                     meta, scale: float) -> torch.Tensor:
-    """Write k/v (T, Hkv, D) into the paged cache, then attend q (T, Hq, D) causally; returns (T, Hq, D)."""
+    """Write k/v (T, Hkv, D) into the paged cache, then attend q (T, Hq, D) causally; returns (T, Hq, D).
+
+    k and v None: this step's K/V are already in the cache (rope_write_kv put them there)."""
     if q.shape[1] % kv_cache_layer.shape[3]:
         raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({kv_cache_layer.shape[3]})")
-    write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping)
+    if k is not None:
+        write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping)
     if int(meta.max_query_len) == 1:
         return decode_attention(q, kv_cache_layer, meta, scale)
     return prefill_attention(q, kv_cache_layer, meta, scale)

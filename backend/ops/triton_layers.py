@@ -9,7 +9,7 @@ try:
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
     raise ImportError("backend.ops.triton_layers needs the `triton` package") from exc
 
-__all__ = ["rms_norm", "add_rms_norm", "apply_rope", "silu_and_mul"]
+__all__ = ["rms_norm", "add_rms_norm", "apply_rope", "rope_write_kv", "silu_and_mul"]
 
 
 def _alloc(shape, dtype, device):
@@ -146,6 +146,61 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
             HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=4,
         )
     return q_out, k_out
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qo_ptr, cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_cs,
+    stride_ckv, stride_cb, stride_cslot, stride_ch,
+    HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_j = tl.arange(0, HALF_PAD)
+    j_mask = offs_j < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs_j, mask=j_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_j, mask=j_mask, other=0.0).to(tl.float32)
+    _rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
+                 HQ, HQ_PAD, HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # a negative slot means "do not cache", as in write_kv_cache
+        dst = cache_ptr + (slot // BS) * stride_cb + (slot % BS) * stride_cslot
+        # the rotated k goes straight to its cache slot (token stride 0: dst already points at the slot)
+        _rope_rotate(k_ptr, dst, t, stride_kt, stride_kh, 0, stride_ch, cos, sin, offs_j, j_mask, HK, HK_PAD, HALF)
+        offs_h = tl.arange(0, HK_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        mask = (offs_h < HK)[:, None] & (offs_d < D)[None, :]
+        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        tl.store(dst + stride_ckv + offs_h[:, None] * stride_ch + offs_d[None, :],
+                 v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor):
+    """apply_rope on q and k, then k and v into the paged cache (2, NB, BS, Hkv, D) at slot_mapping: one launch.
+
+    Returns the rotated q (T, Hq, D); the rotated k exists only in the cache."""
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    if kv_cache_layer.dtype != k.dtype:
+        raise ValueError(f"the KV cache dtype ({kv_cache_layer.dtype}) must be k's ({k.dtype})")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    c = kv_cache_layer
+    q_out = _alloc((T, HQ, D), q.dtype, q.device)
+    if T:
+        half = D // 2
+        _rope_write_kv_kernel[(T,)](
+            q, k, v, positions, cs, q_out, c, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q_out.stride(0), q_out.stride(1), cs.stride(0), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
+            HQ=HQ, HK=HK, HQ_PAD=triton.next_power_of_2(HQ), HK_PAD=triton.next_power_of_2(HK),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), D=D, D_PAD=triton.next_power_of_2(D),
+            BS=c.shape[2], num_warps=4,
+        )
+    return q_out
 
 
 # --------------------------------------------------------------------------------------------------------

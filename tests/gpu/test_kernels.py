@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -28,6 +29,7 @@ triton = pytest.importorskip("triton")
 
 from backend.ops import triton_attention as ta  # noqa: E402
 from backend.ops import triton_layers as tly  # noqa: E402
+from backend.ops import triton_linear as tlin  # noqa: E402
 
 DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cuda")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -58,6 +60,7 @@ def _poison(shape, dtype, device):
 def poison_outputs(monkeypatch):
     monkeypatch.setattr(ta, "_alloc", _poison)
     monkeypatch.setattr(tly, "_alloc", _poison)
+    monkeypatch.setattr(tlin, "_alloc", _poison)
 
 
 @pytest.fixture(autouse=True)
@@ -376,6 +379,34 @@ def test_apply_rope(dtype, hq, hkv, d):
 
 
 @pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,bs", [(32, 8, 128, 16), (9, 3, 64, 32), (4, 4, 64, 16)])
+def test_rope_write_kv(dtype, hq, hkv, d, bs):
+    """One launch = apply_rope, then the rotated k and v into their slots; other slots untouched, slot -1 skipped."""
+    g = torch.Generator().manual_seed(hq * d + bs)
+    T, nb = 11, 9
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEVICE)
+    q = qkv[:, : hq * d].view(T, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(T, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+    cos_sin = _cos_sin_cache(4096, d).to(DEVICE)
+    pos = torch.randint(0, 4096, (T,), generator=g).to(DEVICE)
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    slots[4] = -1
+    cache = torch.full((2, nb, bs, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+    q_rot = tly.rope_write_kv(q, k, v, pos, cos_sin, cache, slots.to(DEVICE))
+    q_ref, k_ref = tly.apply_rope(q, k, pos, cos_sin)
+    assert torch.equal(q_rot, q_ref)
+    flat = cache.view(2, nb * bs, hkv, d).cpu()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat[0, slot], k_ref[t].cpu()) and torch.equal(flat[1, slot], v[t].cpu())
+    written = slots[slots >= 0]
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.isnan(flat[:, untouched].float()).all()
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
 def test_layers_match_torch_path(dtype):
     """backend.ops.layers (the plain-torch path) and the Triton layers agree on the same inputs."""
     from backend.ops import layers as torch_layers
@@ -409,3 +440,76 @@ def test_silu_and_mul(dtype, inter):
     xd = x.double()
     ref = torch.nn.functional.silu(xd[..., :inter]) * xd[..., inter:]
     assert rel_err(out, ref) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------------------
+# decode-sized GEMM (triton_linear)
+# ------------------------------------------------------------------------------------------------------
+LINEAR_CONFIGS = [None, tlin.LinearConfig(16, 64, 4, 2), tlin.LinearConfig(64, 128, 4, 3),
+                  tlin.LinearConfig(128, 256, 8, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 96, 512, False), (5, 200, 576, True), (32, 256, 1024, False),
+                                           (17, 48, 200, True), (64, 128, 256, True)])
+@pytest.mark.parametrize("config", LINEAR_CONFIGS, ids=["auto", "n16", "n64", "n128"])
+def test_linear(dtype, rows, n, k, bias, config):
+    """Every output row and column written once and equal to x @ W.T + b (float64) within output rounding."""
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    out = tlin.linear(x, w, b, config=config)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert rel_err(out, ref) < 5e-3  # fp32 accumulation; one rounding of the output (bf16: 2^-9 relative)
+
+
+def test_linear_strided_and_batched_rows():
+    """Leading dims are kept, a strided x (a column slice of a wider buffer) is read correctly."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(2, 3, 700, generator=g).to(torch.bfloat16).to(DEVICE)
+    x = wide[..., 100:612]  # (2, 3, 512), row stride 700
+    w = (torch.randn(64, 512, generator=g) * 512 ** -0.5).to(torch.bfloat16).to(DEVICE)
+    out = tlin.linear(x, w)
+    assert out.shape == (2, 3, 64)
+    assert rel_err(out, x.double() @ w.double().T) < 5e-3
+
+
+def test_linear_falls_back_to_torch(monkeypatch):
+    """fp32 and batches over MAX_ROWS rows go to F.linear (the kernel is never launched)."""
+    def fail(*a, **k):
+        raise AssertionError("kernel launched")
+
+    monkeypatch.setattr(tlin, "_alloc", fail)
+    w = torch.randn(32, 64, device=DEVICE)
+    x = torch.randn(3, 64, device=DEVICE)
+    assert torch.equal(tlin.linear(x, w), torch.nn.functional.linear(x, w))
+    xb = torch.randn(tlin.MAX_ROWS + 1, 64, device=DEVICE).to(torch.bfloat16)
+    wb = w.to(torch.bfloat16)
+    assert torch.equal(tlin.linear(xb, wb), torch.nn.functional.linear(xb, wb))
+
+
+def test_linear_choose_config_fills_the_gpu():
+    """A program per SM at least where the matrix has the rows for it; K steps divide K when they can."""
+    for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (4096, 4096)]:
+        cfg = tlin.choose_config(n, k, 132)
+        assert n // cfg.block_n >= 132 or cfg.block_n == 16
+        assert k % cfg.block_k == 0
+    assert tlin.choose_config(576, 576, 132) == tlin.LinearConfig(16, 64)
+
+
+def test_tuned_linear_uses_the_table_only_on_its_gpu(monkeypatch):
+    """Listed shapes on a 9.0 GPU launch the listed config; unlisted shapes and other GPUs go to cuBLAS."""
+    launched = []
+    monkeypatch.setattr(tlin, "linear", lambda x, w, b=None, config=None: launched.append(config) or "kernel")
+    monkeypatch.setattr(tlin.F, "linear", lambda x, w, b=None: "cublas")
+    x = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=(32, 4096),
+                              numel=lambda: 32 * 4096)
+    listed = types.SimpleNamespace(shape=(6144, 4096))
+    unlisted = types.SimpleNamespace(shape=(4096, 14336))
+    monkeypatch.setattr(tlin, "_CAPABILITY", {0: (9, 0)})
+    assert tlin.tuned_linear(x, listed) == "kernel" and launched == [tlin.H200_CONFIGS[(6144, 4096, 32)]]
+    assert tlin.tuned_linear(x, unlisted) == "cublas"
+    monkeypatch.setattr(tlin, "_CAPABILITY", {0: (8, 0)})
+    assert tlin.tuned_linear(x, listed) == "cublas"

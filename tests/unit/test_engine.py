@@ -284,6 +284,7 @@ def test_unknown_sampling_key_rejected():
     (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"),
     (dict(max_num_batched_tokens=8, max_num_seqs=16), "max_num_batched_tokens"),
     (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction"), (dict(attention_backend="x"), "attention"),
+    (dict(linear_backend="cutlass"), "linear_backend must be auto, triton or cublas"),
 ])
 def test_bad_config(settings, match):
     with pytest.raises(ValueError, match=match):

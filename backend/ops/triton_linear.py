@@ -1,0 +1,172 @@
+"""Decode-sized GEMMs for CUDA in the Triton language: y = x @ W.T (+ b) for a few rows of x, at weight bandwidth.
+
+A decode step multiplies a handful of token rows by every weight matrix once; the work is streaming W from
+memory. The kernel gives each program a slice of W's output rows and the whole K range, so no split-K partials
+and no second launch are needed; small slices make enough programs even for narrow matrices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
+    raise ImportError("backend.ops.triton_linear needs the `triton` package") from exc
+
+__all__ = ["linear", "tuned_linear", "LinearConfig", "choose_config", "H200_CONFIGS", "MAX_ROWS"]
+
+MAX_ROWS = 64  # above this many rows cuBLAS's tiles reuse each weight load enough; F.linear takes over
+
+
+@dataclass(frozen=True, slots=True)
+class LinearConfig:
+    """One launch shape: W rows per program, K per loop step, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def _alloc(shape, dtype, device):
+    """Fresh, uninitialised buffer; one indirection so tests can poison every new output."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    # the weight slice is the MMA's A operand (BLOCK_N ≥ 16 rows); x's padded rows are B's columns
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = offs_k < K
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def choose_config(n: int, k: int, sms: int) -> LinearConfig:
+    """64 W rows per program (fewer for narrow matrices), K step by K's size: the kernel's default shape."""
+    block_n = 64
+    while block_n > 16 and n // block_n < sms:
+        block_n //= 2
+    block_k = 256 if k % 256 == 0 else 128 if k % 128 == 0 else 64
+    return LinearConfig(block_n=block_n, block_k=block_k)
+
+
+# Where the kernel beat cuBLAS by 3% or more on the H200 (`python -m backend.ops.microbench --linear`, TB/s of W
+# kernel / cuBLAS in KERNELS.md): (N, K, BLOCK_M) → config. Every other shape, and every other GPU, keeps cuBLAS.
+H200_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
+    # Llama-3-8B: qkv, o, gate_up, lm_head
+    (6144, 4096, 16): LinearConfig(64, 128, 4, 6),
+    (4096, 4096, 16): LinearConfig(64, 128, 4, 4),
+    (128256, 4096, 16): LinearConfig(128, 128, 4, 4),
+    (6144, 4096, 32): LinearConfig(64, 128, 4, 6),
+    (4096, 4096, 32): LinearConfig(64, 256, 4, 3),
+    (28672, 4096, 32): LinearConfig(64, 128, 4, 4),
+    (128256, 4096, 32): LinearConfig(128, 128, 4, 4),
+    (128256, 4096, 64): LinearConfig(128, 128, 4, 4),
+    # Llama-3.2-1B: qkv, o, gate_up
+    (3072, 2048, 16): LinearConfig(64, 128, 4, 4),
+    (2048, 2048, 16): LinearConfig(32, 256, 4, 4),
+    (16384, 2048, 16): LinearConfig(64, 128, 4, 4),
+    (2048, 2048, 32): LinearConfig(16, 256, 4, 4),
+}
+
+
+def _is_h200_class(device: torch.device) -> bool:
+    """Compute capability 9.0 (H100 / H200): the GPUs the table was measured on."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index] == (9, 0)
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+_SHARED_MEMORY = 200 * 1024  # bytes of the H100/H200's 227 KB per block that the pipeline stages may take
+
+
+def _stages(cfg: LinearConfig, block_m: int, itemsize: int) -> int:
+    """cfg's stages, fewer where the W and x tiles of that many stages would not fit in shared memory."""
+    per_stage = (cfg.block_n + block_m) * cfg.block_k * itemsize
+    return max(2, min(cfg.num_stages, _SHARED_MEMORY // per_stage))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: LinearConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); rows ≤ MAX_ROWS of bf16/fp16 go through the decode kernel, the rest to cuBLAS.
+
+    config None: the kernel's default shape (choose_config). tuned_linear uses the measured table instead."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
+            or not x.is_cuda and not _interpreting()):
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    n, k = w.shape
+    cfg = config or choose_config(n, k, _sm_count(x.device) if x.is_cuda else 132)
+    y = _alloc((rows, n), x.dtype, x.device)
+    block_m = _block_m(rows)
+    _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x2, w, bias if bias is not None else w, y, rows, n, k, x2.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=_stages(cfg, block_m, x.element_size()),
+    )
+    return y.view(*x.shape[:-1], n)
+
+
+def _block_m(rows: int) -> int:
+    return max(16, triton.next_power_of_2(rows))
+
+
+def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) through the kernel where H200_CONFIGS lists the shape on this GPU, else cuBLAS."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if 0 < rows <= MAX_ROWS and x.is_cuda and _is_h200_class(x.device):
+        config = H200_CONFIGS.get((weight.shape[0], weight.shape[1], _block_m(rows)))
+        if config is not None:
+            return linear(x, weight, bias, config=config)
+    return F.linear(x, weight, bias)
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
