@@ -156,21 +156,10 @@ class Timeline:
     def current_step(self) -> int:
         return self._step
 
-    def _since(self, step: int) -> list[Span]:
-        """Spans of steps >= step, scanning from the newest: spans arrive in step order, except GPU spans, which
-        are resolved in batches after their steps; a span a few steps older than `step` ends the scan."""
-        out = []
-        for s in reversed(self.spans):
-            if s.step >= step:
-                out.append(s)
-            elif s.step < step - 4:
-                break
-        return out
-
-    def summary(self, since_step: int = 0) -> dict:
+    def summary(self) -> dict:
         """GPU busy fraction over the recorded window and median CPU time per step (wait excluded)."""
         self.resolve()
-        spans = self._since(since_step) if since_step > 0 else self.spans
+        spans = self.spans
         gpu = sorted((s.start, s.end) for s in spans if s.row == "gpu")
         cpu = [s for s in spans if s.row == "cpu"]
         if not gpu and not cpu:
