@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from backend.ops.attention import write_kv
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, exactly as transformers' LlamaRMSNorm (float32 math, cast, then * weight)."""
@@ -41,8 +43,6 @@ def apply_rope(
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """apply_rope, then the rotated k and v into the paged cache at slot_mapping; returns the rotated q."""
-    from backend.ops.attention import write_kv  # here, not at the top: attention.py is the heavier module
-
     q, k = apply_rope(q, k, positions, cos_sin_cache)
     write_kv(k, v, kv_cache_layer, slot_mapping)
     return q

@@ -105,6 +105,17 @@ def _rope_rotate(src_ptr, dst_ptr, t, stride_t, stride_h, stride_ot, stride_oh, 
 
 
 @triton.jit
+def _rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Token t's cos and sin rows (fp32) from the [cos | sin] cache, with the half-dim offsets and mask."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_j = tl.arange(0, HALF_PAD)
+    j_mask = offs_j < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs_j, mask=j_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_j, mask=j_mask, other=0.0).to(tl.float32)
+    return cos, sin, offs_j, j_mask
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cs_ptr, qo_ptr, ko_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
@@ -112,11 +123,7 @@ def _rope_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_j = tl.arange(0, HALF_PAD)
-    j_mask = offs_j < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + offs_j, mask=j_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_j, mask=j_mask, other=0.0).to(tl.float32)
+    cos, sin, offs_j, j_mask = _rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
     _rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
                  HQ, HQ_PAD, HALF)
     _rope_rotate(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin, offs_j, j_mask,
@@ -157,11 +164,7 @@ def _rope_write_kv_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_j = tl.arange(0, HALF_PAD)
-    j_mask = offs_j < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + offs_j, mask=j_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_j, mask=j_mask, other=0.0).to(tl.float32)
+    cos, sin, offs_j, j_mask = _rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
     _rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
                  HQ, HQ_PAD, HALF)
     slot = tl.load(slot_ptr + t).to(tl.int64)

@@ -6,6 +6,7 @@ and no second launch are needed; small slices make enough programs even for narr
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ try:
     import triton.language as tl
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
     raise ImportError("backend.ops.triton_linear needs the `triton` package") from exc
+
+from backend.ops.triton_attention import _sm_count  # noqa: E402  (after the guarded triton import)
 
 __all__ = ["linear", "tuned_linear", "LinearConfig", "choose_config", "H200_CONFIGS", "MAX_ROWS"]
 
@@ -117,16 +120,6 @@ def _stages(cfg: LinearConfig, block_m: int, itemsize: int) -> int:
     return max(2, min(cfg.num_stages, _SHARED_MEMORY // per_stage))
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: LinearConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); rows ≤ MAX_ROWS of bf16/fp16 go through the decode kernel, the rest to cuBLAS.
@@ -141,7 +134,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x2 = x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     n, k = w.shape
-    cfg = config or choose_config(n, k, _sm_count(x.device) if x.is_cuda else 132)
+    cfg = config or choose_config(n, k, _sm_count(x.device) if x.is_cuda else 132)  # 132: the H200's SMs
     y = _alloc((rows, n), x.dtype, x.device)
     block_m = _block_m(rows)
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -167,6 +160,4 @@ def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
