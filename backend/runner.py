@@ -26,6 +26,7 @@ class StepState:
     row_of: dict[int, int] = field(default_factory=dict)  # id(request) → output row
     read_logprobs: bool = False
     num_top: int = 0
+    max_len: int = 0  # longest context of the batch after this step
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.vocab_size = model.spec.vocab_size
         self.sampler.vocab_hash(self.vocab_size, device)  # cached before any graph capture
+        self._arange = np.arange(layout.max_seqs + 1)  # query_start_loc and logits_idx of decode-only steps
         self.graphs: DecodeGraphs | None = None
         if use_graphs:  # without CUDA: the same decode-graph step, run eagerly
             self.graphs = DecodeGraphs(self, max_graph_batch)
@@ -70,12 +72,42 @@ class ModelRunner:
         """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
         slot = self.pipeline.acquire_slot()
         st = StepState(batch, slot)
-        h = slot.np
-        bs = self.block_size
-        ids, pos, slots_, carry = h["input_ids"], h["positions"], h["slot_mapping"], h["carry_src"]
-        qsl, seq_lens, tables, logits_idx = h["query_start_loc"], h["seq_lens"], h["block_tables"], h["logits_idx"]
         prev_rows = prev.row_of if prev is not None else {}
-        owners = slot.table_owners  # row b of this slot's block table: (block list it holds, blocks written)
+        if batch.is_decode_only:
+            self._pack_decode(st, prev_rows)
+        else:
+            self._pack_mixed(st, prev_rows)
+        self._write_block_tables(slot, batch.requests)
+        return st
+
+    def _pack_decode(self, st: StepState, prev_rows: dict[int, int]) -> None:
+        """One token per request (the common step): each column built as a list, then one numpy copy."""
+        h, bs, reqs = st.slot.np, self.block_size, st.batch.requests
+        b = len(reqs)
+        starts = [r.num_computed_tokens - 1 for r in reqs]
+        token_carry = np.array([self._token_at(r, p, prev_rows) for r, p in zip(reqs, starts)], dtype=np.int64)
+        h["input_ids"][:b] = token_carry[:, 0]
+        h["carry_src"][:b] = token_carry[:, 1]
+        pos = np.array(starts, dtype=np.int64)
+        st.max_len = max(starts) + 1
+        h["positions"][:b] = pos
+        h["slot_mapping"][:b] = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, starts)]
+        h["seq_lens"][:b] = pos + 1
+        h["query_start_loc"][:b + 1] = self._arange[:b + 1]
+        if all(st.batch.samples):
+            h["logits_idx"][:b] = self._arange[:b]
+            st.sampled = list(reqs)
+            st.row_of = {id(r): i for i, r in enumerate(reqs)}
+        else:  # a one-token prefill chunk that is not its prompt's last token
+            for i, (req, samples) in enumerate(zip(reqs, st.batch.samples)):
+                if samples:
+                    self._add_sampled(st, req, i)
+
+    def _pack_mixed(self, st: StepState, prev_rows: dict[int, int]) -> None:
+        """Prefill chunks (every token known on the host) beside decode rows."""
+        h, bs, batch = st.slot.np, self.block_size, st.batch
+        ids, pos, slots_, carry = h["input_ids"], h["positions"], h["slot_mapping"], h["carry_src"]
+        qsl, seq_lens = h["query_start_loc"], h["seq_lens"]
         qsl[0] = 0
         t = 0
         for b, (req, n, samples) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.samples)):
@@ -86,27 +118,39 @@ class ModelRunner:
                 ids[t], carry[t] = self._token_at(req, start, prev_rows)
                 pos[t] = start
                 slots_[t] = blocks[start // bs] * bs + start % bs
-            else:  # a prefill chunk: every token is known on the host
+            else:
                 p = np.arange(start, end)
                 ids[t:t + n] = req.token_slice(start, end)
                 pos[t:t + n] = p
                 carry[t:t + n] = -1
                 slots_[t:t + n] = np.asarray(blocks)[p // bs] * bs + p % bs
             seq_lens[b] = end
+            st.max_len = max(st.max_len, end)
+            t += n
+            qsl[b + 1] = t
+            if samples:
+                self._add_sampled(st, req, t - 1)
+
+    @staticmethod
+    def _add_sampled(st: StepState, req: Request, token_row: int) -> None:
+        st.slot.np["logits_idx"][len(st.sampled)] = token_row
+        st.row_of[id(req)] = len(st.sampled)
+        st.sampled.append(req)
+
+    @staticmethod
+    def _write_block_tables(slot: Slot, reqs: list[Request]) -> None:
+        """Row b of the slot's block table holds reqs[b]'s blocks; only blocks added since the slot last held
+        that same list are written."""
+        tables, owners = slot.np["block_tables"], slot.table_owners
+        for b, req in enumerate(reqs):
+            blocks = req.block_ids
             owner = owners[b]
-            if owner is not None and owner[0] is blocks:  # same request, same row: only new blocks to write
+            if owner is not None and owner[0] is blocks:
                 if owner[1] < len(blocks):
                     tables[b, owner[1]:len(blocks)] = blocks[owner[1]:]
             else:
                 tables[b, :len(blocks)] = blocks
             owners[b] = (blocks, len(blocks))
-            t += n
-            qsl[b + 1] = t
-            if samples:
-                logits_idx[len(st.sampled)] = t - 1
-                st.row_of[id(req)] = len(st.sampled)
-                st.sampled.append(req)
-        return st
 
     def _token_at(self, req: Request, p: int, prev_rows: dict[int, int]) -> tuple[int, int]:
         """(token, carry source row): a token the host knows, or a placeholder taken from the previous step."""
@@ -166,8 +210,8 @@ class ModelRunner:
         if bucket is not None and bucket > B:
             self._pad_decode(slot, B, bucket)
         rows = bucket or len(st.sampled)
-        width = max(1, max(len(r.block_ids) for r in batch.requests))
-        max_len = max(r.num_computed_tokens for r in batch.requests)
+        max_len = st.max_len
+        width = max(1, -(-max_len // self.block_size))  # block-table columns that hold context
         n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
         if bucket is not None and all(r.plain_greedy for r in st.sampled):
             # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare

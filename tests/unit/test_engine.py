@@ -83,6 +83,22 @@ def test_requests_join_every_step(root, async_pipeline):
 
 
 @pytest.mark.parametrize("async_pipeline", MODES)
+def test_one_token_prefill_chunks_beside_decodes(root, async_pipeline):
+    """A step budget of 2 tokens for 2 requests: once one decodes, the other's prompt advances one token a step,
+    so decode-only steps hold a prompt token that samples nothing. Outputs still equal transformers'."""
+    path = build_tiny("llama", root)
+    prompts = random_prompts([2, 9], seed=11)
+    want = [hf_greedy(path, p, 12) for p in prompts]
+    engine = make_engine(path, async_pipeline, max_num_seqs=2, max_num_batched_tokens=2)
+    try:
+        outs = engine.generate(prompts, greedy(12))
+        assert [o.token_ids for o in outs] == want
+        assert engine.stats()["kv_blocks_used"] == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
 def test_preemption_keeps_outputs_equal(root, async_pipeline):
     """A KV cache too small for all requests at once: requests are preempted and recomputed, outputs unchanged."""
     path = build_tiny("qwen2", root)
