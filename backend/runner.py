@@ -118,7 +118,7 @@ class ModelRunner:
                 ids[t], carry[t] = self._token_at(req, start, prev_rows)
                 pos[t] = start
                 slots_[t] = blocks[start // bs] * bs + start % bs
-            else:
+            else:  # a prefill chunk: every token is known on the host
                 p = np.arange(start, end)
                 ids[t:t + n] = req.token_slice(start, end)
                 pos[t:t + n] = p
