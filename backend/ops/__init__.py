@@ -24,8 +24,7 @@ class Ops:
     paged_attention: Callable
     rms_norm: Callable
     add_rms_norm: Callable
-    apply_rope: Callable
-    rope_write_kv: Callable  # apply_rope + this step's K/V into the cache; returns the rotated q
+    rope_write_kv: Callable  # rotary embedding + this step's K/V into the cache; returns the rotated q
     silu_and_mul: Callable
     linear: Callable  # F.linear's signature: (x, weight, bias)
 
@@ -36,7 +35,6 @@ def _from_modules(name: str, attention: Callable, layers, linear: Callable = F.l
         paged_attention=attention,
         rms_norm=layers.rms_norm,
         add_rms_norm=layers.add_rms_norm,
-        apply_rope=layers.apply_rope,
         rope_write_kv=layers.rope_write_kv,
         silu_and_mul=layers.silu_and_mul,
         linear=linear,

@@ -6,6 +6,7 @@ and no second launch are needed; small slices make enough programs even for narr
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from backend.ops.triton_attention import _sm_count  # noqa: E402  (after the gua
 
 __all__ = ["linear", "tuned_linear", "LinearConfig", "choose_config", "H200_CONFIGS", "MAX_ROWS"]
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: CPU tensors may launch too
 MAX_ROWS = 64  # above this many rows cuBLAS's tiles reuse each weight load enough; F.linear takes over
 
 
@@ -100,15 +102,14 @@ H200_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _is_h200_class(device: torch.device) -> bool:
     """Compute capability 9.0 (H100 / H200): the GPUs the table was measured on."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index] == (9, 0)
-
-
-_CAPABILITY: dict[int, tuple[int, int]] = {}
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
 
 
 _SHARED_MEMORY = 200 * 1024  # bytes of the H100/H200's 227 KB per block that the pipeline stages may take
@@ -127,7 +128,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     config None: the kernel's default shape (choose_config). tuned_linear uses the measured table instead."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
-            or not x.is_cuda and not _interpreting()):
+            or not x.is_cuda and not _INTERPRET):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -157,7 +158,3 @@ def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if config is not None:
             return linear(x, weight, bias, config=config)
     return F.linear(x, weight, bias)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"

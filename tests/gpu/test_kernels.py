@@ -508,8 +508,8 @@ def test_tuned_linear_uses_the_table_only_on_its_gpu(monkeypatch):
                               numel=lambda: 32 * 4096)
     listed = types.SimpleNamespace(shape=(6144, 4096))
     unlisted = types.SimpleNamespace(shape=(4096, 14336))
-    monkeypatch.setattr(tlin, "_CAPABILITY", {0: (9, 0)})
+    monkeypatch.setattr(tlin, "_capability", lambda index: (9, 0))
     assert tlin.tuned_linear(x, listed) == "kernel" and launched == [tlin.H200_CONFIGS[(6144, 4096, 32)]]
     assert tlin.tuned_linear(x, unlisted) == "cublas"
-    monkeypatch.setattr(tlin, "_CAPABILITY", {0: (8, 0)})
+    monkeypatch.setattr(tlin, "_capability", lambda index: (8, 0))
     assert tlin.tuned_linear(x, listed) == "cublas"
