@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps: one per batch-size bucket and slot, all drawing on one memory pool.
 
 A graph holds carry-over + forward + logits + the greedy pick. It reads its slot's device inputs and the other slot's
-sampled tokens at fixed addresses, and writes logits into one buffer outside the pool, so each graph's
+sampled tokens at fixed addresses, and writes logits (model dtype) into one buffer outside the pool, so each graph's
 intermediates can be freed back to the shared pool after capture: N and N+1 never run at once, so the
 two slots' graphs cost about one graph's memory. Prefill and mixed steps run eagerly: their token counts
 and query lengths vary every step, and they are a small share of a long generation's steps.
@@ -35,7 +35,8 @@ class DecodeGraphs:
             return
         self.pool = torch.cuda.graph_pool_handle()
         vocab = runner.model.spec.vocab_size
-        self.logits = torch.empty(self.buckets[-1], vocab, dtype=torch.float32, device=runner.device)
+        # the LM head writes here, outside the pool, in the model's dtype: read by the eager sampler when one runs
+        self.logits = torch.empty(self.buckets[-1], vocab, dtype=runner.model.spec.dtype, device=runner.device)
 
     def bucket_for(self, batch_size: int) -> int | None:
         i = bisect.bisect_left(self.buckets, batch_size)
@@ -76,10 +77,8 @@ class DecodeGraphs:
         width = width or r.layout.max_blocks
         meta = r.metadata(slot, bucket, bucket, width, 1, max_len or width * r.block_size)
         hidden = r.model(ids, slot.dev["positions"][:bucket], r.kv_cache, meta)  # (bucket, H)
-        logits = r.model.compute_logits(hidden)  # (bucket, V)
-        if not self.eager:
-            self.logits[:bucket].copy_(logits)  # outside the pool: read by the eager sampler when one runs
-        slot.out_tokens[:bucket].copy_(logits.argmax(dim=-1))  # greedy tokens, final for all-greedy steps
+        logits = r.model.compute_logits(hidden, out=None if self.eager else self.logits[:bucket])  # (bucket, V)
+        r.model.ops.greedy_argmax(logits, slot.out_tokens[:bucket])  # greedy tokens, final for all-greedy steps
         return logits
 
     def _capture(self, slot, prev_slot, bucket: int) -> None:

@@ -240,6 +240,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != st.batch_size:
             raise ValueError(f"logits must be (B={st.batch_size}, V), got {tuple(logits.shape)}")
+        logits = logits.float()  # the model's dtype (bf16) to float32, as transformers' generate does
         raw_logprobs = logits.log_softmax(dim=-1) if st.num_logprobs >= 0 else None  # (B, V)
         if st.any_penalty:
             logits = apply_penalties(logits, st)

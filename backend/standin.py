@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .models.spec import ModelSpec
+from .ops import get_ops
 
 
 class StandInModel(torch.nn.Module):
@@ -15,13 +16,15 @@ class StandInModel(torch.nn.Module):
                               intermediate_size=1, vocab_size=vocab_size, max_position_embeddings=1 << 20,
                               eos_token_ids=(), dtype=torch.float32, model_type="stand-in")
         self._ramp = torch.arange(vocab_size, dtype=torch.float32, device=device)  # (V,)
+        self.ops = get_ops("torch")  # the decode graph's greedy pick
 
     def forward(self, input_ids, positions, kv_cache, meta):
         return input_ids.to(torch.float32).unsqueeze(1)  # (T, 1): the input token, as the "hidden state"
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, out=None):
         nxt = torch.remainder(hidden + 1, self.spec.vocab_size)  # (N, 1)
-        return -(self._ramp.unsqueeze(0) - nxt).abs()  # (N, V): the maximum sits at the next token
+        logits = -(self._ramp.unsqueeze(0) - nxt).abs()  # (N, V): the maximum sits at the next token
+        return logits if out is None else out.copy_(logits)
 
 
 def expected_tokens(prompt: list[int], n: int, vocab_size: int) -> list[int]:

@@ -114,9 +114,11 @@ class LlamaFamilyModel(nn.Module):
         return h
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, H) -> logits (N, V) float32."""
-        return self.ops.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (N, H) -> logits (N, V) in the model's dtype, written into out (N, V) when given.
+
+        The sampler converts to float32 itself, so a greedy decode graph reads bf16 logits and never converts."""
+        return self.ops.linear(hidden, self.lm_head, None, out)
 
 
 def build_cos_sin_cache(config, model_type: str, head_dim: int, device: torch.device) -> torch.Tensor:

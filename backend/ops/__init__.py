@@ -5,8 +5,6 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-import torch.nn.functional as F
-
 from backend.ops import layers as _torch_layers
 from backend.ops.attention import AttentionMetadata, paged_attention as _torch_paged_attention
 
@@ -26,10 +24,12 @@ class Ops:
     add_rms_norm: Callable
     rope_write_kv: Callable  # rotary embedding + this step's K/V into the cache; returns the rotated q
     silu_and_mul: Callable
-    linear: Callable  # F.linear's signature: (x, weight, bias)
+    linear: Callable  # (x, weight, bias=None, out=None): F.linear, optionally into a preallocated 2-D out
+    greedy_argmax: Callable  # (logits (N, V), out (N,) int64): each row's first maximum into out
 
 
-def _from_modules(name: str, attention: Callable, layers, linear: Callable = F.linear) -> Ops:
+def _from_modules(name: str, attention: Callable, layers, linear: Callable = _torch_layers.linear,
+                  greedy_argmax: Callable = _torch_layers.greedy_argmax) -> Ops:
     return Ops(
         name=name,
         paged_attention=attention,
@@ -38,6 +38,7 @@ def _from_modules(name: str, attention: Callable, layers, linear: Callable = F.l
         rope_write_kv=layers.rope_write_kv,
         silu_and_mul=layers.silu_and_mul,
         linear=linear,
+        greedy_argmax=greedy_argmax,
     )
 
 
@@ -54,12 +55,12 @@ def get_ops(backend: str, linear_backend: str = "auto") -> Ops:
     if backend == "triton":
         try:
             # imported lazily: triton is absent on CPU-only machines
-            from backend.ops import triton_layers, triton_linear
+            from backend.ops import triton_argmax, triton_layers, triton_linear
             from backend.ops.triton_attention import paged_attention as triton_paged_attention
 
-            linear = {"auto": triton_linear.tuned_linear, "triton": triton_linear.linear, "cublas": F.linear}[
-                linear_backend]
-            return _from_modules("triton", triton_paged_attention, triton_layers, linear)
+            linear = {"auto": triton_linear.tuned_linear, "triton": triton_linear.linear,
+                      "cublas": _torch_layers.linear}[linear_backend]
+            return _from_modules("triton", triton_paged_attention, triton_layers, linear, triton_argmax.greedy_argmax)
         except Exception as exc:  # ImportError, or a triton install that fails to initialise
             logger.warning("triton ops unavailable (%s: %s); using the torch ops", type(exc).__name__, exc)
     return _from_modules("torch", _torch_paged_attention, _torch_layers)

@@ -1,9 +1,27 @@
-"""Plain-torch norm, rotary and activation ops: the numerics reference for the fused CUDA kernels."""
+"""Plain-torch linear, norm, rotary, activation and greedy-pick ops: the numerics reference for the CUDA kernels."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from backend.ops.attention import write_kv
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); with `out` (x 2-D), the same cuBLAS product written into out instead."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    if x.dim() != 2:
+        raise ValueError(f"linear with out= takes 2-D x, got shape {tuple(x.shape)}")
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)  # what F.linear runs for 2-D x without bias
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def greedy_argmax(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = the first index of row i's maximum of logits (N, V); out is (N,) int64. Returns out."""
+    return out.copy_(logits.argmax(dim=-1))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

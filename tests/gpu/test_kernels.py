@@ -27,6 +27,8 @@ pytestmark = pytest.mark.gpu
 
 triton = pytest.importorskip("triton")
 
+from backend.ops import layers as torch_layers  # noqa: E402
+from backend.ops import triton_argmax as targ  # noqa: E402
 from backend.ops import triton_attention as ta  # noqa: E402
 from backend.ops import triton_layers as tly  # noqa: E402
 from backend.ops import triton_linear as tlin  # noqa: E402
@@ -53,7 +55,8 @@ class Meta:
 
 
 def _poison(shape, dtype, device):
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    fill = float("nan") if dtype.is_floating_point else -(2 ** 31)  # integers: a value no index can take
+    return torch.full(shape, fill, dtype=dtype, device=device)
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +64,7 @@ def poison_outputs(monkeypatch):
     monkeypatch.setattr(ta, "_alloc", _poison)
     monkeypatch.setattr(tly, "_alloc", _poison)
     monkeypatch.setattr(tlin, "_alloc", _poison)
+    monkeypatch.setattr(targ, "_alloc", _poison)
 
 
 @pytest.fixture(autouse=True)
@@ -502,8 +506,9 @@ def test_linear_choose_config_fills_the_gpu():
 def test_tuned_linear_uses_the_table_only_on_its_gpu(monkeypatch):
     """Listed shapes on a 9.0 GPU launch the listed config; unlisted shapes and other GPUs go to cuBLAS."""
     launched = []
-    monkeypatch.setattr(tlin, "linear", lambda x, w, b=None, config=None: launched.append(config) or "kernel")
-    monkeypatch.setattr(tlin.F, "linear", lambda x, w, b=None: "cublas")
+    monkeypatch.setattr(tlin, "linear",
+                        lambda x, w, b=None, config=None, out=None: launched.append(config) or "kernel")
+    monkeypatch.setattr(tlin.torch_layers, "linear", lambda x, w, b=None, out=None: "cublas")
     x = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=(32, 4096),
                               numel=lambda: 32 * 4096)
     listed = types.SimpleNamespace(shape=(6144, 4096))
@@ -513,3 +518,74 @@ def test_tuned_linear_uses_the_table_only_on_its_gpu(monkeypatch):
     assert tlin.tuned_linear(x, unlisted) == "cublas"
     monkeypatch.setattr(tlin, "_capability", lambda index: (8, 0))
     assert tlin.tuned_linear(x, listed) == "cublas"
+
+
+@pytest.mark.parametrize("config", [None, tlin.LinearConfig(64, 128, 4, 3)], ids=["auto", "n64"])
+@pytest.mark.parametrize("rows,bias", [(5, False), (64, True)])
+def test_linear_into_out(config, rows, bias):
+    """out= gets exactly what the kernel returns without it, in place, and rows past it stay untouched."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 320, 256
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16).to(DEVICE)
+    b = torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE) if bias else None
+    buf = torch.full((rows + 3, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = tlin.linear(x, w, b, config=config, out=buf[:rows])
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:rows], tlin.linear(x, w, b, config=config))
+    assert buf[rows:].isnan().all()
+    with pytest.raises(ValueError, match="out must be"):
+        tlin.linear(x, w, b, config=config, out=buf[: rows + 1])
+
+
+def test_linear_into_out_falls_back_to_torch():
+    """fp32 (no kernel) with out= runs the torch product into out."""
+    x, w = torch.randn(3, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE)
+    out = torch.empty(3, 32, device=DEVICE)
+    assert tlin.linear(x, w, out=out) is out
+    assert torch.equal(out, torch.nn.functional.linear(x, w))
+
+
+def _argmax_cases(dtype):
+    """(name, logits) on the device: random rows, ties inside and across chunks, -inf rows, odd vocabularies."""
+    g = torch.Generator().manual_seed(11)
+    vocab = 20000 if INTERPRET else 128256
+    cases = {}
+    for rows, v in [(1, vocab), (3, 49152), (64, vocab), (2, 100), (2, targ.ARGMAX_CHUNK),
+                    (2, targ.ARGMAX_CHUNK + 1)]:
+        cases[f"random_{rows}x{v}"] = torch.randn(rows, v, generator=g).to(dtype)
+    tied = torch.randn(4, vocab, generator=g).to(dtype)
+    tied[0, [5, 9000, vocab - 1]] = 50.0  # the same maximum in three chunks: the first wins
+    tied[1, [targ.ARGMAX_CHUNK - 1, targ.ARGMAX_CHUNK]] = 50.0  # across a chunk border
+    tied[2, :] = 1.0  # a constant row: index 0
+    tied[3, :] = float("-inf")  # every token banned: index 0, as torch
+    cases["ties"] = tied
+    inf = torch.randn(2, vocab, generator=g).to(dtype)
+    inf[0, 777] = float("inf")
+    inf[1, [3, vocab - 2]] = float("inf")
+    cases["inf"] = inf
+    return {name: t.to(DEVICE) for name, t in cases.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_argmax_matches_torch(dtype):
+    """Every case equals torch.argmax (first index of the maximum), written into a strided out."""
+    for name, logits in _argmax_cases(dtype).items():
+        rows = logits.shape[0]
+        buf = torch.full((rows, 2), -7, dtype=torch.int64, device=DEVICE)
+        got = targ.greedy_argmax(logits, buf[:, 0])
+        assert torch.equal(buf[:, 0], logits.argmax(dim=-1)), name
+        assert (buf[:, 1] == -7).all() and got.data_ptr() == buf.data_ptr(), name
+        ref = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+        assert torch.equal(torch_layers.greedy_argmax(logits, ref), buf[:, 0]), name
+
+
+def test_greedy_argmax_rejects_bad_shapes():
+    """A 1-D logits or a wrong out buffer is a ValueError, not a silent wrong write."""
+    logits = torch.zeros(4, 300, device=DEVICE)
+    with pytest.raises(ValueError, match="logits must be"):
+        targ.greedy_argmax(logits[0], torch.empty(1, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):
+        targ.greedy_argmax(logits, torch.empty(4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):
+        targ.greedy_argmax(logits, torch.empty(5, dtype=torch.int64, device=DEVICE))

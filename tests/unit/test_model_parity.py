@@ -111,7 +111,7 @@ class PagedBatch:
             max_seq_len=self.width * self.bs,  # an upper bound, as the runner may pass
         )
         hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta)  # (T, H)
-        return self.model.compute_logits(hidden)  # (T, V)
+        return self.model.compute_logits(hidden).float()  # (T, V)
 
 
 def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
