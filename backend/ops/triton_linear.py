@@ -29,12 +29,13 @@ MAX_ROWS = 64  # above this many rows cuBLAS's tiles reuse each weight load enou
 
 @dataclass(frozen=True, slots=True)
 class LinearConfig:
-    """One launch shape: W rows per program, K per loop step, warps, pipeline stages."""
+    """One launch shape: W rows per program, K per loop step, warps, pipeline stages, K splits."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1  # > 1: K is cut in this many runs; the last program of a W slice to finish adds them up
 
 
 def _alloc(shape, dtype, device):
@@ -44,11 +45,12 @@ def _alloc(shape, dtype, device):
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -57,7 +59,9 @@ def _skinny_linear_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     # the weight slice is the MMA's A operand (BLOCK_N ≥ 16 rows); x's padded rows are B's columns
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_run = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K  # whole K steps per split
+    k_start = split * k_run
+    for k0 in range(k_start, tl.minimum(k_start + k_run, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
@@ -67,10 +71,31 @@ def _skinny_linear_kernel(
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K > 1:
+        # Serial split-K in one launch: each split parks its fp32 partial, then counts itself in on the slice's
+        # counter; the split that arrives last adds all partials, writes y and resets the counter for the next
+        # launch. why the barrier: every thread's partial store must be done before one thread's release-atomic.
+        tile = (BLOCK_N * BLOCK_M) * pid.to(tl.int64)
+        offs_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+        part_stride = (BLOCK_N * BLOCK_M) * tl.num_programs(0).to(tl.int64)
+        tl.store(part_ptr + split * part_stride + tile + offs_tile, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")  # acquire: the other splits' partials
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # in split order, so the sum does not depend on arrival order
+                acc += tl.load(part_ptr + s * part_stride + tile + offs_tile, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 def choose_config(n: int, k: int, sms: int) -> LinearConfig:
@@ -143,12 +168,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"out must be ({rows}, {n}) {x.dtype} for 2-D x, got {tuple(out.shape)} {out.dtype}")
     y = out if out is not None else _alloc((rows, n), x.dtype, x.device)
     block_m = _block_m(rows)
-    _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x2, w, bias if bias is not None else w, y, rows, n, k, x2.stride(0), w.stride(0), y.stride(0),
+    tiles = triton.cdiv(n, cfg.block_n)
+    if cfg.split_k > 1:
+        parts = _alloc((cfg.split_k, tiles, cfg.block_n, block_m), torch.float32, x.device)
+        counts = _split_counters(x.device, tiles)
+    else:
+        parts = counts = y  # unused
+    _skinny_linear_kernel[(tiles, cfg.split_k)](
+        x2, w, bias if bias is not None else w, y, parts, counts, rows, n, k, x2.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=_stages(cfg, block_m, x.element_size()),
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
+        num_stages=_stages(cfg, block_m, x.element_size()),
     )
     return y.view(*x.shape[:-1], n)
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per W slice, kept per (device, stream).
+
+    Each launch leaves them at zero again, so launches on one stream can share them; a second stream (another
+    engine on the same GPU) gets its own, because launches on two streams may overlap. Allocated outside graph
+    capture (the warm-up call before capture does it), since a captured graph must not own them."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K counters must be allocated before CUDA graph capture: run the GEMM once first")
+        counters = _COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return counters
 
 
 def _block_m(rows: int) -> int:
