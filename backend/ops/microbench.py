@@ -35,7 +35,7 @@ def _time_graph(fn, replays: int = 20, repeats: int = 7) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: split-K GEMM counters are per stream
         fn()
     for _ in range(3):
         graph.replay()
