@@ -44,6 +44,14 @@ def _alloc(shape, dtype, device):
 
 
 @triton.jit
+def _bias_and_store(acc, b_ptr, y_ptr, offs_n, offs_m, n_mask, out_mask, stride_ym, HAS_BIAS: tl.constexpr):
+    """The epilogue: bias added in fp32, one rounding, y[m, n] = acc[n, m]."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
 def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -86,16 +94,10 @@ def _skinny_linear_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # in split order, so the sum does not depend on arrival order
                 acc += tl.load(part_ptr + s * part_stride + tile + offs_tile, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+            _bias_and_store(acc, b_ptr, y_ptr, offs_n, offs_m, n_mask, out_mask, stride_ym, HAS_BIAS)
             tl.atomic_xchg(count_ptr + pid, 0)
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        _bias_and_store(acc, b_ptr, y_ptr, offs_n, offs_m, n_mask, out_mask, stride_ym, HAS_BIAS)
 
 
 def choose_config(n: int, k: int, sms: int) -> LinearConfig:
