@@ -28,6 +28,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replay captured graphs on CUDA
     loop_gate: bool = True  # CUDA: output/sender threads do their Python while the loop waits (loop_gate.py)
     max_graph_batch_size: int = 256  # largest decode batch with a captured graph
+    steady_decode: bool = True  # runs of identical decode steps are scheduled, packed and read as arrays
     attention_backend: str = "auto"  # auto | torch | triton
     linear_backend: str = "auto"  # auto (measured table) | triton | cublas: decode GEMMs on the triton path
     seed: int = 0  # seed for requests that bring none

@@ -62,6 +62,7 @@ class Engine:
         self._healthy = True
         self._consecutive_faults = 0
         self._inflight: StepState | None = None
+        self._num_finishes = 0  # requests finished so far: a steady step's update checks none finished meanwhile
         self._steps = 0
         self._fault_every = self.config.test_fault_every_n_steps
         self._fault_clock = 0  # scheduled steps, counted for the fault hook
@@ -249,6 +250,7 @@ class Engine:
                 raise RuntimeError(f"injected fault at step {self._fault_clock} (test hook)")
             with tl.cpu_span("pack"):
                 cur = self.runner.pack(batch, self._inflight)
+                cur.finishes_at_launch = self._num_finishes
             with tl.cpu_span("launch"):
                 self.runner.launch(cur, self._inflight)
             self._steps += 1
@@ -277,6 +279,11 @@ class Engine:
 
     def _update(self, st: StepState, result: StepResult, next_state: StepState | None
                 ) -> list[StepEvent | tuple[str, int]]:
+        sb = st.batch.steady
+        if sb is not None and sb is self.scheduler.steady and st.finishes_at_launch == self._num_finishes:
+            events = self._update_steady(st, result)
+            if events is not None:
+                return events
         events: list[StepEvent | tuple[str, int]] = []
         lps = result.logprobs
         for i, (req, tok) in enumerate(zip(result.requests, result.token_ids)):
@@ -316,6 +323,27 @@ class Engine:
             self.block_manager.free(req)
         return events
 
+    def _update_steady(self, st: StepState, result: StepResult) -> list[tuple[str, int]] | None:
+        """Tokens of a steady step that end no request: appended with one short loop, no per-row checks.
+
+        None: some row may stop (a stop token, or near a length limit), so the general update looks at each row.
+        The steady batch is still the scheduler's, so its arrays match the requests and no row finished since
+        the step was launched."""
+        sb = st.batch.steady
+        tokens = result.token_ids
+        if sb.near_length_limit() or sb.hits_stop_token(tokens):
+            return None
+        sb.accept(tokens)
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            for row in sb.rows_to_hash():  # blocks that just filled up, for later prefix hits
+                req = sb.requests[row]
+                bm.register_full_blocks(req, req.num_computed_tokens)
+                sb.hashed_blocks[row] = len(req.block_hashes)
+        for req in st.batch.free_after:
+            bm.free(req)
+        return sb.events(tokens)
+
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
         n_out = len(req.output_token_ids)
@@ -331,6 +359,7 @@ class Engine:
             return
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self._num_finishes += 1
         self.scheduler.remove(req)
         self._requests.pop(req.request_id, None)
         if next_state is not None and req.last_step_id == next_state.batch.step_id:
@@ -405,8 +434,7 @@ class Engine:
             self.block_manager.free(req)
             self.outputs.push([StepEvent(req.request_id, None, None, reason, message, _tokens_if_final_only(req))])
         self._requests.clear()
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
+        self.scheduler.clear()
         while True:  # requests still in the inbox were accepted too: answer them
             try:
                 item = self._inbox.get_nowait()
@@ -429,6 +457,7 @@ class Engine:
             "prefix_cache_hit_rate": bm.hit_rate(),
             "preemptions": sch.num_preemptions,
             "steps": self._steps,
+            "steady_steps": sch.num_steady_steps,
         }
         if self.timeline.enabled and self._steps % 256 == 0 and self._steps:
             # O(1): a summary over 256 steps' spans (and resolving their events at once) stalled the loop for ms

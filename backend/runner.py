@@ -27,6 +27,7 @@ class StepState:
     read_logprobs: bool = False
     num_top: int = 0
     max_len: int = 0  # longest context of the batch after this step
+    finishes_at_launch: int = 0  # the engine's count of finished requests when the step was launched
 
 
 @dataclass(slots=True)
@@ -72,6 +73,9 @@ class ModelRunner:
         """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
         slot = self.pipeline.acquire_slot()
         st = StepState(batch, slot)
+        if batch.steady is not None:
+            self._pack_steady(st, prev)
+            return st
         prev_rows = prev.row_of if prev is not None else {}
         if batch.is_decode_only:
             self._pack_decode(st, prev_rows)
@@ -102,6 +106,29 @@ class ModelRunner:
             for i, (req, samples) in enumerate(zip(reqs, st.batch.samples)):
                 if samples:
                     self._add_sampled(st, req, i)
+
+    def _pack_steady(self, st: StepState, prev: StepState | None) -> None:
+        """The same rows as the previous step, one token each: every column from the steady batch's arrays."""
+        h, bs, sb = st.slot.np, self.block_size, st.batch.steady
+        n = len(sb)
+        pos = sb.computed - 1  # (n,) the position each row feeds
+        if prev is not None:  # still on the device: row i's input is the token it samples in row i
+            h["input_ids"][:n] = 0
+            h["carry_src"][:n] = self._arange[:n]
+        else:  # read already (synchronous mode): row i's input is the token the other slot read back
+            h["input_ids"][:n] = self.pipeline.other(st.slot).host_tokens.numpy()[:n]
+            h["carry_src"][:n] = -1
+        h["positions"][:n] = pos
+        h["slot_mapping"][:n] = sb.tables[sb.rows, pos // bs] * bs + pos % bs
+        h["seq_lens"][:n] = sb.computed
+        h["query_start_loc"][:n + 1] = self._arange[:n + 1]
+        h["logits_idx"][:n] = self._arange[:n]
+        width = int(sb.num_blocks.max())
+        h["block_tables"][:n, :width] = sb.tables[:, :width]
+        st.slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
+        st.max_len = int(sb.computed.max())
+        st.sampled = list(sb.requests)
+        st.row_of = dict(zip(map(id, st.sampled), range(n)))
 
     def _pack_mixed(self, st: StepState, prev_rows: dict[int, int]) -> None:
         """Prefill chunks (every token known on the host) beside decode rows."""
@@ -213,7 +240,9 @@ class ModelRunner:
         max_len = st.max_len
         width = max(1, -(-max_len // self.block_size))  # block-table columns that hold context
         n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
-        if bucket is not None and all(r.plain_greedy for r in st.sampled):
+        steady = batch.steady
+        plain_greedy = steady.all_plain_greedy if steady is not None else all(r.plain_greedy for r in st.sampled)
+        if bucket is not None and plain_greedy:
             # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare
             def replay_only() -> int:
                 self.graphs.replay(slot, bucket, width, max_len)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .kv_cache import BlockManager
 from .request import Request, RequestStatus
+from .steady_batch import SteadyBatch
 
 
 @dataclass(slots=True)
@@ -19,6 +20,7 @@ class ScheduledBatch:
     num_tokens: int = 0
     is_decode_only: bool = True  # every request feeds exactly one token
     free_after: list[Request] = field(default_factory=list)  # finished while this step was queued
+    steady: SteadyBatch | None = None  # set when the step was scheduled from a steady decode batch
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -28,14 +30,19 @@ class Scheduler:
     """FIFO continuous batching with a token budget, chunked prefill and preemption by recompute."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, steady_decode: bool = True) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_manager.block_size)  # block-table width
+        self.steady_decode = steady_decode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_steady_steps = 0  # steps scheduled from a steady batch (a figure for tests and stats)
+        self.steady: SteadyBatch | None = None  # the running requests as arrays, while they stay the same
+        self._last_requests: list[Request] = []  # the previous general step's requests
         self._next_step_id = 0
 
     def add(self, req: Request) -> None:
@@ -48,14 +55,63 @@ class Scheduler:
         """Drop a finished or aborted request from the queues (its blocks are freed by the engine)."""
         if req in self.running:
             self.running.remove(req)
+            self.steady = None
         else:
             try:
                 self.waiting.remove(req)
             except ValueError:
                 pass
 
+    def clear(self) -> None:
+        """Forget every request (the engine failed or stopped them all)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.steady = None
+        self._last_requests = []
+
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step: running requests first (oldest first), then waiting ones in arrival order."""
+        if self.steady is not None:
+            batch = self._schedule_steady(self.steady)
+            if batch is not None:
+                return batch
+            self.steady = None
+        batch = self._schedule_general()
+        if batch is not None and self.steady_decode:
+            self._maybe_start_steady(batch)
+        return batch
+
+    def _schedule_steady(self, sb: SteadyBatch) -> ScheduledBatch | None:
+        """Every running request feeds its one pending token, as in the last step; None: the general path
+        must decide (a request may join, one reaches a length limit, or KV blocks ran out)."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        if sb.at_length_limit():
+            return None
+        bm = self.block_manager
+        for row in sb.rows_needing_block():
+            req = sb.requests[row]
+            if not bm.allocate_slots(req, 1):
+                return None  # the general path preempts; blocks taken so far stay with their requests
+            sb.add_block(row, req.block_ids[-1])
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        sb.advance(step_id)
+        n = len(sb)
+        self.num_steady_steps += 1
+        return ScheduledBatch(step_id, requests=list(sb.requests), num_new_tokens=[1] * n, samples=[True] * n,
+                              num_tokens=n, is_decode_only=True, steady=sb)
+
+    def _maybe_start_steady(self, batch: ScheduledBatch) -> None:
+        """Two general steps in a row fed one token to every running request, each sampled: keep them as arrays."""
+        same = batch.requests == self._last_requests
+        self._last_requests = batch.requests
+        if (same and batch.is_decode_only and batch.requests == self.running and all(batch.samples)
+                and SteadyBatch.eligible(batch.requests)):
+            self.steady = SteadyBatch(batch.requests, self.block_manager.block_size, self.max_model_len,
+                                      self.max_blocks)
+
+    def _schedule_general(self) -> ScheduledBatch | None:
         batch = ScheduledBatch(step_id=self._next_step_id)
         budget = self.max_num_batched_tokens
         bm, bs, max_len = self.block_manager, self.block_manager.block_size, self.max_model_len
@@ -105,6 +161,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.steady = None
             self._add_to_batch(batch, req, n)
             budget -= n
 
@@ -124,6 +181,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free req's blocks and requeue it first in line; it recomputes its tokens when readmitted."""
         self.running.remove(req)
+        self.steady = None
         self.block_manager.free(req)
         req.blocks_freed = False
         req.num_computed_tokens = 0

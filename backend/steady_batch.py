@@ -1,0 +1,94 @@
+"""The steady decode batch: the same running requests step after step, kept in arrays updated in place.
+
+Most steps of a long generation feed one token to every running request and change nothing else. For such a
+run of steps the scheduler, the packer and the result update each work on these arrays with numpy instead of
+walking the requests: the per-request Python that is left is one short loop of counter increments when a step
+is scheduled and one when its tokens arrive. Anything else (a request joins, finishes, is preempted, nears a
+length limit or samples a stop token) ends the run and the general path takes the step, exactly as before.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .request import Request
+
+
+class SteadyBatch:
+    """Rows = the running requests in order; their KV positions, block tables and limits as arrays."""
+
+    def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
+        n = len(requests)
+        self.requests = list(requests)
+        self.request_ids = [r.request_id for r in self.requests]
+        self.block_size = block_size
+        # tokens whose KV is written or queued, per row (== request.num_computed_tokens while this batch is current)
+        self.computed = np.fromiter((r.num_computed_tokens for r in self.requests), dtype=np.int64, count=n)
+        # a row may take a steady step only while its token count stays below this cap (max_tokens, max_model_len)
+        self.token_cap = np.fromiter((min(max_model_len, r.num_prompt_tokens + r.params.max_tokens)
+                                      for r in self.requests), dtype=np.int64, count=n)
+        self.num_blocks = np.fromiter((len(r.block_ids) for r in self.requests), dtype=np.int64, count=n)
+        self.tables = np.zeros((n, max_blocks), dtype=np.int32)  # (rows, max_blocks) each row's KV blocks
+        for row, req in enumerate(self.requests):
+            self.tables[row, :len(req.block_ids)] = req.block_ids
+        # full blocks already hashed for prefix caching, per row
+        self.hashed_blocks = np.fromiter((len(r.block_hashes) for r in self.requests), dtype=np.int64, count=n)
+        # any row's stop token: a step that samples one goes to the general update, which checks each row
+        self.stop_ids = frozenset().union(*(r.stop_ids for r in self.requests))
+        self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
+        # rows whose caller streams: they get a (request_id, token) event every step
+        self.streamed_rows = [i for i, r in enumerate(self.requests) if not r.final_only]
+        self.streamed_ids = [self.request_ids[i] for i in self.streamed_rows]
+        self.rows = np.arange(n)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @staticmethod
+    def eligible(requests: list[Request]) -> bool:
+        """Requests a steady run can carry: no logprobs (their rows need the general read and update)."""
+        return all(r.params.logprobs is None for r in requests)
+
+    def rows_needing_block(self) -> np.ndarray:
+        """Rows whose next token starts a KV block they do not hold yet."""
+        return np.flatnonzero(self.computed >= self.num_blocks * self.block_size)
+
+    def add_block(self, row: int, block: int) -> None:
+        self.tables[row, self.num_blocks[row]] = block
+        self.num_blocks[row] += 1
+
+    def at_length_limit(self) -> bool:
+        """True when some row's next step would reach max_tokens or max_model_len: the general path decides."""
+        return bool((self.computed + 1 >= self.token_cap).any())
+
+    def advance(self, step_id: int) -> None:
+        """Count one scheduled token for every row: the requests' counters and the arrays, in step."""
+        for req in self.requests:
+            req.num_computed_tokens += 1
+            req.num_pending += 1
+            req.num_tokens += 1
+            req.num_output_tokens += 1
+            req.last_step_id = step_id
+        self.computed += 1
+
+    def near_length_limit(self) -> bool:
+        """A step's tokens may end a row by length: the general update must look at every row."""
+        return bool((self.computed + 2 >= self.token_cap).any())
+
+    def hits_stop_token(self, tokens: list[int]) -> bool:
+        return not self.stop_ids.isdisjoint(tokens)
+
+    def accept(self, tokens: list[int]) -> None:
+        """Every row's pending token arrived and none ends its request."""
+        for req, tok in zip(self.requests, tokens):
+            req.num_pending -= 1
+            req.output_token_ids.append(tok)
+
+    def rows_to_hash(self) -> np.ndarray:
+        """Rows that may have filled a KV block since it was last hashed (prefix caching checks them)."""
+        return np.flatnonzero(self.computed >= (self.hashed_blocks + 1) * self.block_size)
+
+    def events(self, tokens: list[int]) -> list[tuple[str, int]]:
+        """(request_id, token) for each streamed row, made into outputs by the output thread."""
+        if len(self.streamed_rows) == len(self.requests):
+            return list(zip(self.request_ids, tokens))
+        return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows)]

@@ -1,0 +1,117 @@
+"""Steady decode runs (backend/steady_batch.py) give exactly what the general path gives, and are taken."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from backend import Engine, EngineConfig, SamplingParams
+from tests.tiny_models import build_tiny, hf_greedy, random_prompts
+
+MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tiny-steady"))
+
+
+def make_engine(path, async_pipeline, steady=True, **kw) -> Engine:
+    settings = dict(model=path, device="cpu", num_kv_blocks=400, block_size=4, max_num_batched_tokens=64,
+                    max_num_seqs=16, async_pipeline=async_pipeline, steady_decode=steady)
+    settings.update(kw)
+    return Engine(EngineConfig(**settings))
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_steady_runs_equal_transformers_and_hash_their_output_blocks(root, async_pipeline):
+    """Requests finish at different steps, so steady runs end and start again; every KV block a run writes
+    (block_size 4: a new block every fourth step) must be addressed right for the tokens to match. Output blocks
+    filled during a run are hashed: a later prompt that repeats a request's output finds them cached."""
+    path = build_tiny("llama", root)
+    prompts = random_prompts([9, 14, 3, 21, 9, 6], seed=51)
+    lengths = [40, 25, 33, 40, 12, 29]
+    want = [hf_greedy(path, p, n) for p, n in zip(prompts, lengths)]
+    engine = make_engine(path, async_pipeline)
+    try:
+        outs = engine.generate(prompts, [greedy(n) for n in lengths])
+        assert [o.token_ids for o in outs] == want
+        steady_steps = engine.scheduler.num_steady_steps
+        assert steady_steps >= 20  # of about 40 decode steps; the rest are prefill, entry and length-limit steps
+        assert engine.stats()["steady_steps"] == steady_steps
+        assert engine.stats()["kv_blocks_used"] == 0
+
+        follow_up = prompts[3] + want[3][:30]  # 51 tokens: 12 full blocks, 7 of them written in steady steps
+        again = engine.generate([follow_up], greedy(8))[0]
+        assert again.num_cached_tokens == (len(follow_up) - 1) // 4 * 4
+        assert again.token_ids == hf_greedy(path, follow_up, 8)
+    finally:
+        engine.shutdown()
+
+
+def _run_mixed(path, async_pipeline, steady):
+    """Sampling, stop tokens, min_tokens and streaming in one batch; returns (finals, streamed tokens, steps)."""
+    prompts = random_prompts([7, 12, 5, 16, 9], seed=61)
+    free_run = hf_greedy(path, prompts[1], 30)
+    # a token first sampled well after the prompt, so it arrives inside a steady run
+    stop_tok = next(t for i, t in enumerate(free_run) if i >= 8 and t not in free_run[:i])
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_tok], ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, min_tokens=20, stop_token_ids=[stop_tok], ignore_eos=True),
+        greedy(30, repetition_penalty=1.3),
+        greedy(26),
+    ]
+    engine = make_engine(path, async_pipeline, steady=steady)
+    try:
+        streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        streamed, finals = [], []
+        for s in streams:
+            tokens = []
+            for out in s:
+                tokens += out.delta_token_ids
+                if out.finished:
+                    finals.append(out)
+            streamed.append(tokens)
+        return finals, streamed, engine.scheduler.num_steady_steps
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_steady_runs_match_the_general_path(root, async_pipeline):
+    path = build_tiny("llama", root)
+    on, on_streamed, on_steps = _run_mixed(path, async_pipeline, steady=True)
+    off, off_streamed, off_steps = _run_mixed(path, async_pipeline, steady=False)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.finish_reason for o in on] == [o.finish_reason for o in off]
+    assert on[1].finish_reason == "stop" and len(on[1].token_ids) >= 9 and on[4].finish_reason == "length"
+    assert on_streamed == [o.token_ids for o in on] and off_streamed == [o.token_ids for o in off]
+    assert on_steps > 0 and off_steps == 0
+
+
+def test_abort_inside_a_steady_run_returns_every_block(root):
+    path = build_tiny("llama", root)
+    engine = make_engine(path, True)
+    try:
+        streams = [engine.add_request(p, greedy(200), request_id=f"r{i}")
+                   for i, p in enumerate(random_prompts([5, 8, 11], seed=71))]
+        for out in streams[1]:
+            if len(out.token_ids) >= 12:
+                break
+        assert engine.scheduler.num_steady_steps > 0
+        engine.abort("r1")
+        victim = streams[1].result()
+        rest = [streams[0].result(), streams[2].result()]
+        assert victim.finish_reason == "abort" and 12 <= len(victim.token_ids) < 200
+        assert [len(o.token_ids) for o in rest] == [200, 200]
+        deadline = time.monotonic() + 5
+        while engine.stats()["kv_blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.stats()["kv_blocks_used"] == 0
+    finally:
+        engine.shutdown()
