@@ -5,7 +5,6 @@ on step N's device-to-host event. Without CUDA the same code runs with streams a
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -67,6 +66,15 @@ class Slot:
         self.compute_done = _Event(use_cuda)
         self.d2h_done = _Event(use_cuda)
         self.in_use = False  # a launched step's results are still unread
+        self._prefixes: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prefix(self, dst_name: str, src_name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dst[:n], src[:n]) of two of this slot's buffers, made once per length: views cost µs each step."""
+        key = (dst_name, n)
+        pair = self._prefixes.get(key)
+        if pair is None:
+            pair = self._prefixes[key] = (getattr(self, dst_name)[:n], getattr(self, src_name)[:n])
+        return pair
 
 
 def _views(flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -89,7 +97,7 @@ class _Event:
 
     def wait(self, stream) -> None:
         if self.event is not None:
-            stream.wait_event(self.event)
+            self.event.wait(stream)
 
     def synchronize(self) -> None:
         if self.event is not None:
@@ -107,13 +115,17 @@ class Pipeline:
             self.h2d_stream = torch.cuda.Stream(device)
             self.compute_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
+            self.home_stream = torch.cuda.default_stream(device)  # current again after each launch
         else:
-            self.h2d_stream = self.compute_stream = self.d2h_stream = None
+            self.h2d_stream = self.compute_stream = self.d2h_stream = self.home_stream = None
         self.slots = [Slot(0, layout, device, self.use_cuda), Slot(1, layout, device, self.use_cuda)]
         self._next = 0
 
-    def stream(self, s) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+    def _use(self, stream) -> None:
+        """Make stream current for this thread. `torch.cuda.stream(...)` as a context costs tens of µs a step
+        (device lookups and a Stream object each time); the loop thread's stream is only ever ours or home."""
+        if stream is not None:
+            torch.cuda.set_stream(stream)
 
     def acquire_slot(self) -> Slot:
         """The slot the next step packs into; its previous step's results have been read already."""
@@ -130,18 +142,21 @@ class Pipeline:
                read_logprobs: bool) -> None:
         """Queue H2D copy → compute (carry-over, forward, sample) → D2H copy; returns without waiting."""
         tl = self.timeline
-        with self.stream(self.h2d_stream):
+        try:
+            self._use(self.h2d_stream)
             # why: the previous step that used this slot must have finished reading its device inputs
             slot.compute_done.wait(self.h2d_stream)
             tl.gpu_begin("h2d", self.h2d_stream)
-            slot.dev_i64[:n_i64].copy_(slot.host_i64[:n_i64], non_blocking=True)
-            slot.dev_i32[:n_i32].copy_(slot.host_i32[:n_i32], non_blocking=True)
+            for dst, src in (slot.prefix("dev_i64", "host_i64", n_i64), slot.prefix("dev_i32", "host_i32", n_i32)):
+                dst.copy_(src, non_blocking=True)
             if n_f32:  # 0: a plain-greedy graph step reads no sampling settings
-                slot.dev_f32[:n_f32].copy_(slot.host_f32[:n_f32], non_blocking=True)
+                dst, src = slot.prefix("dev_f32", "host_f32", n_f32)
+                dst.copy_(src, non_blocking=True)
             tl.gpu_end("h2d", self.h2d_stream)
             # why: compute may start only once this step's inputs are on the device
             slot.h2d_done.record(self.h2d_stream)
-        with self.stream(self.compute_stream):
+
+            self._use(self.compute_stream)
             slot.h2d_done.wait(self.compute_stream)
             # why: this slot's output buffers must have been copied back before they are overwritten
             slot.d2h_done.wait(self.compute_stream)
@@ -150,10 +165,12 @@ class Pipeline:
             tl.gpu_end("compute", self.compute_stream)
             # why: the D2H copy may start only when sampling has written the outputs
             slot.compute_done.record(self.compute_stream)
-        with self.stream(self.d2h_stream):
+
+            self._use(self.d2h_stream)
             slot.compute_done.wait(self.d2h_stream)
             tl.gpu_begin("d2h", self.d2h_stream)
-            slot.host_tokens[:rows].copy_(slot.out_tokens[:rows], non_blocking=True)
+            dst, src = slot.prefix("host_tokens", "out_tokens", rows)
+            dst.copy_(src, non_blocking=True)
             if read_logprobs:
                 slot.host_logprobs[:rows].copy_(slot.out_logprobs[:rows], non_blocking=True)
                 slot.host_top_ids[:rows].copy_(slot.out_top_ids[:rows], non_blocking=True)
@@ -161,6 +178,8 @@ class Pipeline:
             tl.gpu_end("d2h", self.d2h_stream)
             # why: the host waits on this event, the one blocking point of a step
             slot.d2h_done.record(self.d2h_stream)
+        finally:
+            self._use(self.home_stream)
         slot.in_use = True
 
     def wait(self, slot: Slot) -> None:
