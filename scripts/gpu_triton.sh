@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine, one call: Tandem served by a real tritonserver (the one carried from the nvidia-pytriton wheel),
 # compared with the engine alone (scripts.serve_bench), then Locust at 32, 64 and 128 users. Figures under $OUT.
+# SERVE_ARGS: more serve_bench options (e.g. --engine-stream).
 # TRITON_TESTS=<pytest paths> first runs tests that need the carried tritonserver (e.g. the multi-GPU test).
 # At most seven files come back: serve_bench.log, triton_tests.log, locust.jsonl (one summary per user count),
 # locust_server.log and the last level's three charts.
@@ -28,7 +29,7 @@ fi
 
 if [ "${SERVE_BENCH:-1}" = 1 ]; then
   timeout "${T_SERVE_BENCH:-330}" "$PY" -m scripts.serve_bench --model "$MODEL" --concurrency "${LEVELS:-32,64,128}" \
-    --new-tokens "$NEW_TOKENS" --log /tmp/serve_bench_server.log > "$OUT/serve_bench.log" 2>&1
+    --new-tokens "$NEW_TOKENS" --log /tmp/serve_bench_server.log ${SERVE_ARGS:-} > "$OUT/serve_bench.log" 2>&1
   grep -E "^E[0-9]|tandem:" /tmp/serve_bench_server.log | cut -c1-600 >> "$OUT/serve_bench.log"
   grep -E "^triton|^engine|Error|error:|^E[0-9]" "$OUT/serve_bench.log" | cut -c1-400
 fi

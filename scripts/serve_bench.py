@@ -63,9 +63,34 @@ def _pcts(values: list[float]) -> dict:
             "mean": round(statistics.mean(values) * 1e3, 2)}
 
 
-def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int) -> dict[int, dict]:
-    """The engine alone on the same requests, wave by wave."""
+def scrape(metrics_port: int) -> dict[str, float]:
+    """The server's tandem_* samples, summed over label sets (one instance here)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://localhost:{metrics_port}/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tandem_"):
+            name, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
+            values[name] = values.get(name, 0.0) + value
+    return values
+
+
+def server_side(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the server saw during one wave: its mean inter-token gap as sent, and its GPU busy share."""
+    itl = "tandem_inter_token_latency_seconds"
+    count = after.get(f"{itl}_count", 0.0) - before.get(f"{itl}_count", 0.0)
+    total = after.get(f"{itl}_sum", 0.0) - before.get(f"{itl}_sum", 0.0)
+    return dict(server_itl_mean_ms=round(total / count * 1e3, 3) if count else None,
+                server_gpu_busy=after.get("tandem_gpu_busy_ratio"))
+
+
+def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int, stream: bool = False
+            ) -> dict[int, dict]:
+    """The engine alone on the same requests, wave by wave; stream=True: every request streams its outputs
+    (detokenized each step by the output thread), as the served path does before Triton's own work."""
     from backend import Engine, EngineConfig, SamplingParams
+    from backend.bench import stream_all
 
     cfg = EngineConfig.from_dict({k: v for k, v in parameters.items() if k in EngineConfig.__dataclass_fields__})
     engine = Engine(cfg)
@@ -75,7 +100,7 @@ def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for n, prompts in waves.items():
             start = time.perf_counter()
-            outs = engine.generate(prompts, params)
+            outs = stream_all(engine, prompts, params) if stream else engine.generate(prompts, params)
             wall = time.perf_counter() - start
             tokens = sum(len(o.token_ids) for o in outs)
             out[n] = dict(wall_s=round(wall, 3), tok_per_s=round(tokens / wall, 1))
@@ -94,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--log", default=None, help="tritonserver log file")
+    ap.add_argument("--engine-stream", action="store_true",
+                    help="also run the engine alone with streamed, per-step detokenized outputs")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
     lo, hi = (int(x) for x in args.prompt_len.split(","))
@@ -111,15 +138,22 @@ def main(argv=None) -> int:
         wait_until_ready(proc, http, timeout=900, model_name="llm")
         asyncio.run(drive(f"localhost:{grpc}", waves[levels[0]][:4], 8))  # warm-up
         for n in levels:
+            before = scrape(metrics)
             served[n] = asyncio.run(drive(f"localhost:{grpc}", waves[n], args.new_tokens))
+            time.sleep(0.6)  # why: the sender flushes its latency figures every 0.1 s and the gauges every 0.5 s
+            served[n].update(server_side(before, scrape(metrics)))
             print(f"triton  concurrency={n}  " + "  ".join(f"{k}={v}" for k, v in served[n].items()), flush=True)
     finally:
         stop_server(proc)
     engine = offline(parameters, waves, args.new_tokens)
+    streamed = offline(parameters, waves, args.new_tokens, stream=True) if args.engine_stream else {}
     for n in levels:
         served[n]["engine_tok_per_s"] = engine[n]["tok_per_s"]
         served[n]["triton_vs_engine"] = round(served[n]["tok_per_s"] / engine[n]["tok_per_s"], 3)
+        if n in streamed:
+            served[n]["engine_streamed_tok_per_s"] = streamed[n]["tok_per_s"]
         print(f"engine  concurrency={n}  tok_per_s={engine[n]['tok_per_s']}  "
+              f"streamed_tok_per_s={streamed.get(n, {}).get('tok_per_s')}  "
               f"triton/engine={served[n]['triton_vs_engine']}", flush=True)
     print(json.dumps({"model": args.model, "new_tokens": args.new_tokens, "levels": served}))
     return 0
