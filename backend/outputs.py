@@ -13,7 +13,7 @@ from .request import FINISH_STOP, Request, RequestOutput
 
 log = logging.getLogger("tandem.outputs")
 
-_REQUESTS_PER_PASS = 32  # requests handled between two passes of the loop gate
+_REQUESTS_PER_PASS = 8  # requests handled between two passes of the loop gate
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from protocol import GenerateRequest, response_arrays
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_INTERVAL_S = 0.1  # is_cancelled() is an IPC round trip: sweep, don't ask per token
 _STOP = object()
-_RESPONSES_PER_PASS = 16  # responses sent between two passes of the engine's loop gate
+_RESPONSES_PER_PASS = 2  # responses sent between two passes of the engine's loop gate (a send is an IPC)
 
 
 @dataclass
