@@ -31,6 +31,10 @@ class Workload:
     new_tokens: int
     device: str = "cuda"
     engine: dict = field(default_factory=dict)
+    length_spread: int = 0  # request i asks for new_tokens - (i * 7919) % (length_spread + 1): finishes spread out
+
+    def max_tokens(self, i: int) -> int:
+        return self.new_tokens - (i * 7919) % (self.length_spread + 1)
 
 
 WORKLOADS = {
@@ -38,6 +42,8 @@ WORKLOADS = {
                          engine=dict(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=256)),
     "cpu-overhead": Workload("stand-in", [64, 256], (128, 128), 512, device="cpu",
                              engine=dict(num_kv_blocks=256 * 41, max_num_seqs=256, max_num_batched_tokens=4096)),
+    "cpu-churn": Workload("stand-in", [64, 256], (128, 128), 512, device="cpu", length_spread=384,
+                          engine=dict(num_kv_blocks=256 * 41, max_num_seqs=256, max_num_batched_tokens=4096)),
     "blog-quick": Workload("random:llama-3-8b", [32], (128, 128), 2048,
                            engine=dict(max_num_seqs=32, max_num_batched_tokens=4096)),
     "blog": Workload("random:llama-3-8b", [32], (128, 128), 8192,
@@ -79,7 +85,7 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
     engine = build_engine(wl, async_pipeline, args)
     try:
         vocab = engine.spec.vocab_size
-        params = SamplingParams(max_tokens=wl.new_tokens, temperature=0.0, ignore_eos=True)
+        params = [SamplingParams(max_tokens=wl.max_tokens(i), temperature=0.0, ignore_eos=True) for i in range(n)]
         engine.generate(make_prompts(min(n, 4), (16, 16), vocab, seed=99), SamplingParams(max_tokens=4,
                                                                                           ignore_eos=True))
         prompts = make_prompts(n, wl.prompt_len, vocab)
@@ -102,8 +108,8 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
         if wl.model == "stand-in":
             from .standin import expected_tokens
 
-            result["all_tokens_exact"] = all(o.token_ids == expected_tokens(p, wl.new_tokens, vocab)
-                                             for o, p in zip(outs, prompts))
+            result["all_tokens_exact"] = all(o.token_ids == expected_tokens(p, wl.max_tokens(i), vocab)
+                                             for i, (o, p) in enumerate(zip(outs, prompts)))
         if engine.device.type == "cuda":
             result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
             result["roofline"] = round(roofline_seconds(engine, prompts, wl.new_tokens) / wall, 3)
@@ -120,13 +126,14 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
             torch.cuda.empty_cache()
 
 
-def stream_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
+def stream_all(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list:
     """Like generate(), but every request streams an output per step into one queue, as a server's sender
     thread would consume them: the output thread detokenizes every step, beside the engine loop."""
     sink: queue.SimpleQueue = queue.SimpleQueue()
     ids = [f"stream-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(prompt, params, request_id=rid, sink=sink)
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    for rid, prompt, p in zip(ids, prompts, plist):
+        engine.add_request(prompt, p, request_id=rid, sink=sink)
     finals: dict = {}
     while len(finals) < len(ids):
         out = sink.get()
@@ -193,7 +200,7 @@ def main(argv=None) -> int:
                 rows.append(dict(engine="transformers", requests=n, **r))
                 print(_row(rows[-1]), flush=True)
     out = dict(workload=args.workload, model=wl.model, new_tokens=wl.new_tokens, runs=rows)
-    if args.workload == "cpu-overhead":
+    if args.workload in ("cpu-overhead", "cpu-churn"):
         for n in wl.requests:
             cpu = [r["cpu_us_per_step"] for r in rows if r["requests"] == n and r.get("mode") == "async"]
             if cpu:

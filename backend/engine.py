@@ -62,7 +62,6 @@ class Engine:
         self._healthy = True
         self._consecutive_faults = 0
         self._inflight: StepState | None = None
-        self._num_finishes = 0  # requests finished so far: a steady step's update checks none finished meanwhile
         self._steps = 0
         self._fault_every = self.config.test_fault_every_n_steps
         self._fault_clock = 0  # scheduled steps, counted for the fault hook
@@ -250,7 +249,6 @@ class Engine:
                 raise RuntimeError(f"injected fault at step {self._fault_clock} (test hook)")
             with tl.cpu_span("pack"):
                 cur = self.runner.pack(batch, self._inflight)
-                cur.finishes_at_launch = self._num_finishes
             with tl.cpu_span("launch"):
                 self.runner.launch(cur, self._inflight)
             self._steps += 1
@@ -280,7 +278,7 @@ class Engine:
     def _update(self, st: StepState, result: StepResult, next_state: StepState | None
                 ) -> list[StepEvent | tuple[str, int]]:
         sb = st.batch.steady
-        if sb is not None and sb is self.scheduler.steady and st.finishes_at_launch == self._num_finishes:
+        if sb is not None and sb is self.scheduler.steady and st.steady_version == sb.version:
             events = self._update_steady(st, result)
             if events is not None:
                 return events
@@ -327,8 +325,8 @@ class Engine:
         """Tokens of a steady step that end no request: appended with one short loop, no per-row checks.
 
         None: some row may stop (a stop token, or near a length limit), so the general update looks at each row.
-        The steady batch is still the scheduler's, so its arrays match the requests and no row finished since
-        the step was launched."""
+        The steady batch is still the scheduler's and no row left it since the step was packed, so its rows are
+        the step's rows, in order."""
         sb = st.batch.steady
         tokens = result.token_ids
         if sb.near_length_limit() or sb.hits_stop_token(tokens):
@@ -359,7 +357,6 @@ class Engine:
             return
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self._num_finishes += 1
         self.scheduler.remove(req)
         self._requests.pop(req.request_id, None)
         if next_state is not None and req.last_step_id == next_state.batch.step_id:

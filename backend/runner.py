@@ -27,7 +27,7 @@ class StepState:
     read_logprobs: bool = False
     num_top: int = 0
     max_len: int = 0  # longest context of the batch after this step
-    finishes_at_launch: int = 0  # the engine's count of finished requests when the step was launched
+    steady_version: int = -1  # the steady batch's version when this step was packed from it
 
 
 @dataclass(slots=True)
@@ -112,11 +112,11 @@ class ModelRunner:
         h, bs, sb = st.slot.np, self.block_size, st.batch.steady
         n = len(sb)
         pos = sb.computed - 1  # (n,) the position each row feeds
-        if prev is not None:  # still on the device: row i's input is the token it samples in row i
+        if prev is not None:  # still on the device: row i's input is the token it samples in row src_rows[i]
             h["input_ids"][:n] = 0
-            h["carry_src"][:n] = self._arange[:n]
-        else:  # read already (synchronous mode): row i's input is the token the other slot read back
-            h["input_ids"][:n] = self.pipeline.other(st.slot).host_tokens.numpy()[:n]
+            h["carry_src"][:n] = sb.src_rows
+        else:  # read already (synchronous mode): row i's input is the token the other slot read back there
+            h["input_ids"][:n] = self.pipeline.other(st.slot).host_tokens.numpy()[sb.src_rows]
             h["carry_src"][:n] = -1
         h["positions"][:n] = pos
         h["slot_mapping"][:n] = sb.tables[sb.rows, pos // bs] * bs + pos % bs
@@ -129,6 +129,8 @@ class ModelRunner:
         st.max_len = int(sb.computed.max())
         st.sampled = list(sb.requests)
         st.row_of = dict(zip(map(id, st.sampled), range(n)))
+        st.steady_version = sb.version
+        sb.packed()
 
     def _pack_mixed(self, st: StepState, prev_rows: dict[int, int]) -> None:
         """Prefill chunks (every token known on the host) beside decode rows."""

@@ -55,7 +55,8 @@ class Scheduler:
         """Drop a finished or aborted request from the queues (its blocks are freed by the engine)."""
         if req in self.running:
             self.running.remove(req)
-            self.steady = None
+            if self.steady is not None:
+                self.steady.remove(req)
         else:
             try:
                 self.waiting.remove(req)
@@ -82,11 +83,12 @@ class Scheduler:
         return batch
 
     def _schedule_steady(self, sb: SteadyBatch) -> ScheduledBatch | None:
-        """Every running request feeds its one pending token, as in the last step; None: the general path
-        must decide (a request may join, one reaches a length limit, or KV blocks ran out)."""
+        """Every running request feeds its one pending token, as in the last step (rows at a length limit leave the
+        run first); None: the general path must decide (a request may join, or KV blocks ran out)."""
         if self.waiting and len(self.running) < self.max_num_seqs:
             return None
-        if sb.at_length_limit():
+        sb.retire_rows_at_length_limit()
+        if not len(sb):
             return None
         bm = self.block_manager
         for row in sb.rows_needing_block():

@@ -3,8 +3,12 @@
 Most steps of a long generation feed one token to every running request and change nothing else. For such a
 run of steps the scheduler, the packer and the result update each work on these arrays with numpy instead of
 walking the requests: the per-request Python that is left is one short loop of counter increments when a step
-is scheduled and one when its tokens arrive. Anything else (a request joins, finishes, is preempted, nears a
-length limit or samples a stop token) ends the run and the general path takes the step, exactly as before.
+is scheduled and one when its tokens arrive.
+
+A request that finishes (length, stop token, abort) leaves the run as a deleted row; the other rows keep going,
+and the next step's carry-over reads each row's token from its old row of the step before. The update of a step
+whose rows changed after it was packed, or that samples a stop token or nears a length limit, is the general
+one. A request that joins, or a preemption, ends the run: the general path takes the step, exactly as before.
 """
 from __future__ import annotations
 
@@ -36,12 +40,47 @@ class SteadyBatch:
         self.stop_ids = frozenset().union(*(r.stop_ids for r in self.requests))
         self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
         # rows whose caller streams: they get a (request_id, token) event every step
+        self._index_rows()
+        self.version = 0  # bumped whenever rows leave: a step packed under another version has other rows
+        # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
+        self.src_rows = self.rows.copy()
+
+    def _index_rows(self) -> None:
         self.streamed_rows = [i for i, r in enumerate(self.requests) if not r.final_only]
         self.streamed_ids = [self.request_ids[i] for i in self.streamed_rows]
-        self.rows = np.arange(n)
+        self.rows = np.arange(len(self.requests))
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def remove(self, req: Request) -> None:
+        """A request finished: delete its row (nothing happens if it is not one of the rows any more)."""
+        for row, r in enumerate(self.requests):
+            if r is req:
+                self._delete(np.array([row]))
+                return
+
+    def retire_rows_at_length_limit(self) -> None:
+        """Rows whose next step would reach max_tokens or max_model_len feed nothing more: their last token is
+        still on the device, and its update finishes them. They leave the run now."""
+        rows = np.flatnonzero(self.computed + 1 >= self.token_cap)
+        if rows.size:
+            self._delete(rows)
+
+    def _delete(self, rows: np.ndarray) -> None:
+        keep = np.ones(len(self.requests), dtype=bool)
+        keep[rows] = False
+        self.requests = [r for r, k in zip(self.requests, keep) if k]
+        self.request_ids = [rid for rid, k in zip(self.request_ids, keep) if k]
+        self.computed, self.token_cap = self.computed[keep], self.token_cap[keep]
+        self.num_blocks, self.tables = self.num_blocks[keep], self.tables[keep]
+        self.hashed_blocks, self.src_rows = self.hashed_blocks[keep], self.src_rows[keep]
+        self._index_rows()
+        self.version += 1
+
+    def packed(self) -> None:
+        """A step was packed from these rows: the next one carries over from it row for row."""
+        self.src_rows = self.rows.copy()
 
     @staticmethod
     def eligible(requests: list[Request]) -> bool:
@@ -55,10 +94,6 @@ class SteadyBatch:
     def add_block(self, row: int, block: int) -> None:
         self.tables[row, self.num_blocks[row]] = block
         self.num_blocks[row] += 1
-
-    def at_length_limit(self) -> bool:
-        """True when some row's next step would reach max_tokens or max_model_len: the general path decides."""
-        return bool((self.computed + 1 >= self.token_cap).any())
 
     def advance(self, step_id: int) -> None:
         """Count one scheduled token for every row: the requests' counters and the arrays, in step."""

@@ -40,8 +40,9 @@ def test_steady_runs_equal_transformers_and_hash_their_output_blocks(root, async
     try:
         outs = engine.generate(prompts, [greedy(n) for n in lengths])
         assert [o.token_ids for o in outs] == want
+        # every step after the prefill and the first decode step: finishing requests leave the run as rows
         steady_steps = engine.scheduler.num_steady_steps
-        assert steady_steps >= 20  # of about 40 decode steps; the rest are prefill, entry and length-limit steps
+        assert steady_steps == engine.stats()["steps"] - 2 == 40 - 2
         assert engine.stats()["steady_steps"] == steady_steps
         assert engine.stats()["kv_blocks_used"] == 0
 
@@ -94,21 +95,26 @@ def test_steady_runs_match_the_general_path(root, async_pipeline):
     assert on_steps > 0 and off_steps == 0
 
 
-def test_abort_inside_a_steady_run_returns_every_block(root):
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_abort_inside_a_steady_run_returns_every_block(root, async_pipeline):
+    """The aborted request leaves the run as a deleted row; the others go on in steady steps, unchanged."""
     path = build_tiny("llama", root)
-    engine = make_engine(path, True)
+    prompts = random_prompts([5, 8, 11], seed=71)
+    want = [hf_greedy(path, prompts[i], 200) for i in (0, 2)]
+    engine = make_engine(path, async_pipeline)
     try:
-        streams = [engine.add_request(p, greedy(200), request_id=f"r{i}")
-                   for i, p in enumerate(random_prompts([5, 8, 11], seed=71))]
+        streams = [engine.add_request(p, greedy(200), request_id=f"r{i}") for i, p in enumerate(prompts)]
         for out in streams[1]:
             if len(out.token_ids) >= 12:
                 break
         assert engine.scheduler.num_steady_steps > 0
+        steady_before = engine.scheduler.num_steady_steps
         engine.abort("r1")
         victim = streams[1].result()
         rest = [streams[0].result(), streams[2].result()]
         assert victim.finish_reason == "abort" and 12 <= len(victim.token_ids) < 200
-        assert [len(o.token_ids) for o in rest] == [200, 200]
+        assert [o.token_ids for o in rest] == want
+        assert engine.scheduler.num_steady_steps - steady_before > 150  # the run went on without the aborted row
         deadline = time.monotonic() + 5
         while engine.stats()["kv_blocks_used"] and time.monotonic() < deadline:
             time.sleep(0.01)
