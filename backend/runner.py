@@ -108,7 +108,8 @@ class ModelRunner:
                     self._add_sampled(st, req, i)
 
     def _pack_steady(self, st: StepState, prev: StepState | None) -> None:
-        """The same rows as the previous step, one token each: every column from the steady batch's arrays."""
+        """The steady batch's rows (the previous step's, less any that left), one token each: every column from
+        its arrays."""
         h, bs, sb = st.slot.np, self.block_size, st.batch.steady
         n = len(sb)
         pos = sb.computed - 1  # (n,) the position each row feeds

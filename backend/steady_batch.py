@@ -18,7 +18,8 @@ from .request import Request
 
 
 class SteadyBatch:
-    """Rows = the running requests in order; their KV positions, block tables and limits as arrays."""
+    """Rows = the running requests in order (less those retired at a length limit); their KV positions, block
+    tables and limits as arrays."""
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
         n = len(requests)
@@ -39,13 +40,13 @@ class SteadyBatch:
         # any row's stop token: a step that samples one goes to the general update, which checks each row
         self.stop_ids = frozenset().union(*(r.stop_ids for r in self.requests))
         self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
-        # rows whose caller streams: they get a (request_id, token) event every step
         self._index_rows()
         self.version = 0  # bumped whenever rows leave: a step packed under another version has other rows
         # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
         self.src_rows = self.rows.copy()
 
     def _index_rows(self) -> None:
+        # rows whose caller streams: they get a (request_id, token) event every step
         self.streamed_rows = [i for i, r in enumerate(self.requests) if not r.final_only]
         self.streamed_ids = [self.request_ids[i] for i in self.streamed_rows]
         self.rows = np.arange(len(self.requests))
