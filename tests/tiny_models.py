@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -72,3 +73,12 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, eos: int | 
 def random_prompts(lengths, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, VOCAB - 2, (n,), generator=g).tolist() for n in lengths]
+
+
+def kv_blocks_used_after_settling(engine, timeout_s: float = 5.0) -> int:
+    """KV blocks still held once the loop has read its last step (blocks of a request finished while a step
+    was queued return one step later), or after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while engine.stats()["kv_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine.stats()["kv_blocks_used"]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
-from tests.tiny_models import EOS, build_tiny, hf_greedy, hf_model, random_prompts
+from tests.tiny_models import EOS, build_tiny, hf_greedy, hf_model, kv_blocks_used_after_settling, random_prompts
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
@@ -150,10 +150,7 @@ def test_abort_mid_generation_returns_blocks(root, async_pipeline):
         assert final.finished and final.finish_reason == "abort"
         assert 3 <= len(final.token_ids) < 300
         assert keep.result().finish_reason == "length"
-        deadline = time.time() + 5
-        while engine.stats()["kv_blocks_used"] and time.time() < deadline:
-            time.sleep(0.01)
-        assert engine.stats()["kv_blocks_used"] == 0
+        assert kv_blocks_used_after_settling(engine) == 0
     finally:
         engine.shutdown()
 

@@ -1,12 +1,10 @@
 """Steady decode runs (backend/steady_batch.py) give exactly what the general path gives, and are taken."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
-from tests.tiny_models import build_tiny, hf_greedy, random_prompts
+from tests.tiny_models import build_tiny, hf_greedy, kv_blocks_used_after_settling, random_prompts
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
@@ -115,9 +113,6 @@ def test_abort_inside_a_steady_run_returns_every_block(root, async_pipeline):
         assert victim.finish_reason == "abort" and 12 <= len(victim.token_ids) < 200
         assert [o.token_ids for o in rest] == want
         assert engine.scheduler.num_steady_steps - steady_before > 150  # the run went on without the aborted row
-        deadline = time.monotonic() + 5
-        while engine.stats()["kv_blocks_used"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.stats()["kv_blocks_used"] == 0
+        assert kv_blocks_used_after_settling(engine) == 0
     finally:
         engine.shutdown()
