@@ -44,6 +44,8 @@ WORKLOADS = {
                              engine=dict(num_kv_blocks=256 * 41, max_num_seqs=256, max_num_batched_tokens=4096)),
     "cpu-churn": Workload("stand-in", [64, 256], (128, 128), 512, device="cpu", length_spread=384,
                           engine=dict(num_kv_blocks=256 * 41, max_num_seqs=256, max_num_batched_tokens=4096)),
+    "cpu-queue": Workload("stand-in", [512], (128, 128), 512, device="cpu", length_spread=384,
+                          engine=dict(num_kv_blocks=256 * 41, max_num_seqs=256, max_num_batched_tokens=4096)),
     "blog-quick": Workload("random:llama-3-8b", [32], (128, 128), 2048,
                            engine=dict(max_num_seqs=32, max_num_batched_tokens=4096)),
     "blog": Workload("random:llama-3-8b", [32], (128, 128), 8192,
@@ -200,7 +202,7 @@ def main(argv=None) -> int:
                 rows.append(dict(engine="transformers", requests=n, **r))
                 print(_row(rows[-1]), flush=True)
     out = dict(workload=args.workload, model=wl.model, new_tokens=wl.new_tokens, runs=rows)
-    if args.workload in ("cpu-overhead", "cpu-churn"):
+    if args.workload in ("cpu-overhead", "cpu-churn", "cpu-queue"):
         for n in wl.requests:
             cpu = [r["cpu_us_per_step"] for r in rows if r["requests"] == n and r.get("mode") == "async"]
             if cpu:

@@ -277,14 +277,29 @@ class Engine:
 
     def _update(self, st: StepState, result: StepResult, next_state: StepState | None
                 ) -> list[StepEvent | tuple[str, int]]:
-        sb = st.batch.steady
-        if sb is not None and sb is self.scheduler.steady and st.steady_version == sb.version:
-            events = self._update_steady(st, result)
-            if events is not None:
-                return events
+        sb, first = st.batch.steady, 0
         events: list[StepEvent | tuple[str, int]] = []
+        if sb is not None and sb is self.scheduler.steady and st.steady_version == sb.version:
+            steady_events = self._update_steady(st, result)
+            if steady_events is not None:  # the steady rows are done; joiners (if any) follow the general rules
+                events, first = steady_events, st.batch.num_steady_rows
+        self._update_rows(result, first, next_state, events)
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            bs = bm.block_size
+            for req in st.batch.requests[first:]:  # hash blocks that just filled up, for later prefix hits
+                if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs and not req.is_finished:
+                    bm.register_full_blocks(req, req.num_computed_tokens)
+        for req in st.batch.free_after:
+            self.block_manager.free(req)
+        return events
+
+    def _update_rows(self, result: StepResult, first: int, next_state: StepState | None,
+                     events: list[StepEvent | tuple[str, int]]) -> None:
+        """Each sampled row from `first` on: accept its token, check its stops, append its event."""
         lps = result.logprobs
-        for i, (req, tok) in enumerate(zip(result.requests, result.token_ids)):
+        rows = zip(result.requests[first:], result.token_ids[first:])
+        for i, (req, tok) in enumerate(rows, start=first):
             if req.is_finished:
                 req.drop_pending()  # finished while this step was queued: its token is dropped
                 continue
@@ -311,24 +326,15 @@ class Engine:
             events.append(event)
             if reason is not None:
                 self._finish(req, reason, next_state)
-        bm = self.block_manager
-        if bm.enable_prefix_caching:
-            bs = bm.block_size
-            for req in st.batch.requests:  # hash blocks that just filled up, for later prefix hits
-                if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs and not req.is_finished:
-                    bm.register_full_blocks(req, req.num_computed_tokens)
-        for req in st.batch.free_after:
-            self.block_manager.free(req)
-        return events
 
     def _update_steady(self, st: StepState, result: StepResult) -> list[tuple[str, int]] | None:
-        """Tokens of a steady step that end no request: appended with one short loop, no per-row checks.
+        """The steady rows' tokens, when they end no request: appended with one short loop, no per-row checks.
 
         None: some row may stop (a stop token, or near a length limit), so the general update looks at each row.
-        The steady batch is still the scheduler's and no row left it since the step was packed, so its rows are
-        the step's rows, in order."""
+        The steady batch is still the scheduler's and no row left or joined it since the step was packed, so its
+        rows are the step's first rows, in order."""
         sb = st.batch.steady
-        tokens = result.token_ids
+        tokens = result.token_ids[:len(sb)]
         if sb.near_length_limit() or sb.hits_stop_token(tokens):
             return None
         sb.accept(tokens)
@@ -338,8 +344,6 @@ class Engine:
                 req = sb.requests[row]
                 bm.register_full_blocks(req, req.num_computed_tokens)
                 sb.hashed_blocks[row] = len(req.block_hashes)
-        for req in st.batch.free_after:
-            bm.free(req)
         return sb.events(tokens)
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:

@@ -73,10 +73,15 @@ class ModelRunner:
         """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
         slot = self.pipeline.acquire_slot()
         st = StepState(batch, slot)
-        if batch.steady is not None:
-            self._pack_steady(st, prev)
-            return st
         prev_rows = prev.row_of if prev is not None else {}
+        if batch.steady is not None:
+            first = batch.num_steady_rows
+            self._pack_steady(st, prev)
+            if len(batch) > first:  # joiners of the run, by the general rules
+                self._pack_mixed(st, prev_rows, first)
+                self._write_block_tables(slot, batch.requests[first:], first)
+            batch.steady.packed(st.sampled)
+            return st
         if batch.is_decode_only:
             self._pack_decode(st, prev_rows)
         else:
@@ -131,16 +136,17 @@ class ModelRunner:
         st.sampled = list(sb.requests)
         st.row_of = dict(zip(map(id, st.sampled), range(n)))
         st.steady_version = sb.version
-        sb.packed()
 
-    def _pack_mixed(self, st: StepState, prev_rows: dict[int, int]) -> None:
-        """Prefill chunks (every token known on the host) beside decode rows."""
+    def _pack_mixed(self, st: StepState, prev_rows: dict[int, int], first: int = 0) -> None:
+        """Prefill chunks (every token known on the host) beside decode rows; from request `first` on (the ones
+        before it are steady rows, one token each, packed already)."""
         h, bs, batch = st.slot.np, self.block_size, st.batch
         ids, pos, slots_, carry = h["input_ids"], h["positions"], h["slot_mapping"], h["carry_src"]
         qsl, seq_lens = h["query_start_loc"], h["seq_lens"]
-        qsl[0] = 0
-        t = 0
-        for b, (req, n, samples) in enumerate(zip(batch.requests, batch.num_new_tokens, batch.samples)):
+        t = first  # each steady row before `first` feeds one token
+        qsl[first] = t
+        rows = zip(batch.requests[first:], batch.num_new_tokens[first:], batch.samples[first:])
+        for b, (req, n, samples) in enumerate(rows, start=first):
             end = req.num_computed_tokens
             start = end - n
             blocks = req.block_ids
@@ -168,11 +174,11 @@ class ModelRunner:
         st.sampled.append(req)
 
     @staticmethod
-    def _write_block_tables(slot: Slot, reqs: list[Request]) -> None:
-        """Row b of the slot's block table holds reqs[b]'s blocks; only blocks added since the slot last held
-        that same list are written."""
+    def _write_block_tables(slot: Slot, reqs: list[Request], first: int = 0) -> None:
+        """Row first + b of the slot's block table holds reqs[b]'s blocks; only blocks added since the slot last
+        held that same list are written."""
         tables, owners = slot.np["block_tables"], slot.table_owners
-        for b, req in enumerate(reqs):
+        for b, req in enumerate(reqs, start=first):
             blocks = req.block_ids
             owner = owners[b]
             if owner is not None and owner[0] is blocks:
@@ -243,8 +249,11 @@ class ModelRunner:
         max_len = st.max_len
         width = max(1, -(-max_len // self.block_size))  # block-table columns that hold context
         n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
-        steady = batch.steady
-        plain_greedy = steady.all_plain_greedy if steady is not None else all(r.plain_greedy for r in st.sampled)
+        steady, first = batch.steady, batch.num_steady_rows
+        if steady is not None:
+            plain_greedy = steady.all_plain_greedy and all(r.plain_greedy for r in st.sampled[first:])
+        else:
+            plain_greedy = all(r.plain_greedy for r in st.sampled)
         if bucket is not None and plain_greedy:
             # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare
             def replay_only() -> int:

@@ -21,6 +21,7 @@ class ScheduledBatch:
     is_decode_only: bool = True  # every request feeds exactly one token
     free_after: list[Request] = field(default_factory=list)  # finished while this step was queued
     steady: SteadyBatch | None = None  # set when the step was scheduled from a steady decode batch
+    num_steady_rows: int = 0  # with steady: requests[:num_steady_rows] are its rows, the rest are joiners
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -83,26 +84,40 @@ class Scheduler:
         return batch
 
     def _schedule_steady(self, sb: SteadyBatch) -> ScheduledBatch | None:
-        """Every running request feeds its one pending token, as in the last step (rows at a length limit leave the
-        run first); None: the general path must decide (a request may join, or KV blocks ran out)."""
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return None
+        """The steady rows each feed their one pending token: rows at a length limit leave the run first, and
+        joiners whose prompt is done become rows. Joiners still in prefill, then waiting requests, follow by the
+        general rules. None: KV blocks ran out, so the general path (which preempts) must decide."""
         sb.retire_rows_at_length_limit()
+        sb.take_joiners()
         if not len(sb):
             return None
-        bm = self.block_manager
+        bm, bs, max_len = self.block_manager, self.block_manager.block_size, self.max_model_len
         for row in sb.rows_needing_block():
             req = sb.requests[row]
             if not bm.allocate_slots(req, 1):
                 return None  # the general path preempts; blocks taken so far stay with their requests
             sb.add_block(row, req.block_ids[-1])
+        budget = self.max_num_batched_tokens - len(sb)
+        tail: list[tuple[Request, int]] = []  # joiners' chunks, sized and given blocks before anything is counted
+        for req in sb.joiners:
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0 or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_len:
+                continue
+            if req.num_computed_tokens + n > len(req.block_ids) * bs and not bm.allocate_slots(req, n):
+                return None
+            tail.append((req, n))
+            budget -= n
         step_id = self._next_step_id
         self._next_step_id += 1
         sb.advance(step_id)
         n = len(sb)
+        batch = ScheduledBatch(step_id, requests=list(sb.requests), num_new_tokens=[1] * n, samples=[True] * n,
+                               num_tokens=n, is_decode_only=True, steady=sb, num_steady_rows=n)
+        for req, k in tail:
+            self._add_to_batch(batch, req, k)
+        self._admit_waiting(batch, budget)  # admitted requests become joiners of the run
         self.num_steady_steps += 1
-        return ScheduledBatch(step_id, requests=list(sb.requests), num_new_tokens=[1] * n, samples=[True] * n,
-                              num_tokens=n, is_decode_only=True, steady=sb)
+        return batch
 
     def _maybe_start_steady(self, batch: ScheduledBatch) -> None:
         """Two general steps in a row fed one token to every running request, each sampled: keep them as arrays."""
@@ -163,7 +178,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self.steady = None
+            if self.steady is not None:
+                self.steady.joiners.append(req)
             self._add_to_batch(batch, req, n)
             budget -= n
 

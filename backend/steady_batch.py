@@ -6,9 +6,10 @@ walking the requests: the per-request Python that is left is one short loop of c
 is scheduled and one when its tokens arrive.
 
 A request that finishes (length, stop token, abort) leaves the run as a deleted row; the other rows keep going,
-and the next step's carry-over reads each row's token from its old row of the step before. The update of a step
-whose rows changed after it was packed, or that samples a stop token or nears a length limit, is the general
-one. A request that joins, or a preemption, ends the run: the general path takes the step, exactly as before.
+and the next step's carry-over reads each row's token from its old row of the step before. A request admitted
+during the run is a joiner: its prefill chunks follow the rows in the same steps, by the general rules, and once
+it has sampled its first token it becomes a row at the end. The update of a step whose rows changed after it was
+packed, or that samples a stop token or nears a length limit, is the general one. A preemption ends the run.
 """
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ from .request import Request
 
 
 class SteadyBatch:
-    """Rows = the running requests in order (less those retired at a length limit); their KV positions, block
-    tables and limits as arrays."""
+    """Rows = the running requests (less joiners still in prefill and rows retired at a length limit); their KV
+    positions, block tables and limits as arrays."""
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
         n = len(requests)
         self.requests = list(requests)
         self.request_ids = [r.request_id for r in self.requests]
         self.block_size = block_size
+        self.max_model_len = max_model_len
         # tokens whose KV is written or queued, per row (== request.num_computed_tokens while this batch is current)
         self.computed = np.fromiter((r.num_computed_tokens for r in self.requests), dtype=np.int64, count=n)
         # a row may take a steady step only while its token count stays below this cap (max_tokens, max_model_len)
@@ -41,9 +43,13 @@ class SteadyBatch:
         self.stop_ids = frozenset().union(*(r.stop_ids for r in self.requests))
         self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
         self._index_rows()
-        self.version = 0  # bumped whenever rows leave: a step packed under another version has other rows
+        self.version = 0  # bumped whenever rows leave or join: a step packed under another version has other rows
         # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
         self.src_rows = self.rows.copy()
+        # running requests admitted during the run, not rows yet (prefilling); and, for those the step packed last
+        # sampled, their output row there
+        self.joiners: list[Request] = []
+        self.joiner_rows: dict[int, int] = {}
 
     def _index_rows(self) -> None:
         # rows whose caller streams: they get a (request_id, token) event every step
@@ -56,6 +62,9 @@ class SteadyBatch:
 
     def remove(self, req: Request) -> None:
         """A request finished: delete its row (nothing happens if it is not one of the rows any more)."""
+        if req in self.joiners:
+            self.joiners.remove(req)
+            return
         for row, r in enumerate(self.requests):
             if r is req:
                 self._delete(np.array([row]))
@@ -79,9 +88,38 @@ class SteadyBatch:
         self._index_rows()
         self.version += 1
 
-    def packed(self) -> None:
-        """A step was packed from these rows: the next one carries over from it row for row."""
+    def packed(self, sampled: list[Request]) -> None:
+        """A step was packed from these rows (then the joiners' rows of `sampled`, the step's sampled requests):
+        the next step carries over from it row for row."""
         self.src_rows = self.rows.copy()
+        n = len(self.requests)
+        self.joiner_rows = {id(r): row for row, r in enumerate(sampled[n:], start=n)} if len(sampled) > n else {}
+
+    def take_joiners(self) -> None:
+        """Joiners whose prompt is done and whose first token the last step sampled become rows (at the end)."""
+        for req in list(self.joiners):
+            src = self.joiner_rows.get(id(req))
+            if (src is not None and req.num_tokens - req.num_computed_tokens == 1
+                    and req.num_computed_tokens >= req.num_prompt_tokens and self.eligible([req])):
+                self.joiners.remove(req)
+                self._append(req, src)
+
+    def _append(self, req: Request, src_row: int) -> None:
+        self.requests.append(req)
+        self.request_ids.append(req.request_id)
+        self.computed = np.append(self.computed, req.num_computed_tokens)
+        cap = min(self.max_model_len, req.num_prompt_tokens + req.params.max_tokens)
+        self.token_cap = np.append(self.token_cap, cap)
+        self.num_blocks = np.append(self.num_blocks, len(req.block_ids))
+        table = np.zeros((1, self.tables.shape[1]), dtype=self.tables.dtype)
+        table[0, :len(req.block_ids)] = req.block_ids
+        self.tables = np.concatenate([self.tables, table])
+        self.hashed_blocks = np.append(self.hashed_blocks, len(req.block_hashes))
+        self.src_rows = np.append(self.src_rows, src_row)
+        self.stop_ids |= req.stop_ids
+        self.all_plain_greedy = self.all_plain_greedy and req.plain_greedy
+        self._index_rows()
+        self.version += 1
 
     @staticmethod
     def eligible(requests: list[Request]) -> bool:

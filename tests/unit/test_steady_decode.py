@@ -52,6 +52,26 @@ def test_steady_runs_equal_transformers_and_hash_their_output_blocks(root, async
         engine.shutdown()
 
 
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_queued_requests_join_a_steady_run(root, async_pipeline):
+    """Three seats for seven requests: each finish admits a waiting request, which prefills beside the steady rows
+    (with chunked prefill: budget 6 tokens) and then becomes a row. Outputs equal transformers'; after the first
+    two steps every step is a steady one."""
+    path = build_tiny("qwen3", root)
+    prompts = random_prompts([9, 4, 13, 7, 2, 11, 6], seed=57)
+    lengths = [14, 22, 9, 17, 12, 6, 19]
+    want = [hf_greedy(path, p, n) for p, n in zip(prompts, lengths)]
+    engine = make_engine(path, async_pipeline, max_num_seqs=3, max_num_batched_tokens=6)
+    try:
+        outs = engine.generate(prompts, [greedy(n) for n in lengths])
+        assert [o.token_ids for o in outs] == want
+        stats = engine.stats()
+        assert stats["steady_steps"] >= stats["steps"] - 6  # prefill of the first three: 9 + 4 + 13 tokens
+        assert kv_blocks_used_after_settling(engine) == 0
+    finally:
+        engine.shutdown()
+
+
 def _run_mixed(path, async_pipeline, steady):
     """Sampling, stop tokens, min_tokens and streaming in one batch; returns (finals, streamed tokens, steps)."""
     prompts = random_prompts([7, 12, 5, 16, 9], seed=61)
@@ -65,7 +85,7 @@ def _run_mixed(path, async_pipeline, steady):
         greedy(30, repetition_penalty=1.3),
         greedy(26),
     ]
-    engine = make_engine(path, async_pipeline, steady=steady)
+    engine = make_engine(path, async_pipeline, steady=steady, max_num_seqs=3)  # two of them join later
     try:
         streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         streamed, finals = [], []
