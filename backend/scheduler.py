@@ -84,11 +84,11 @@ class Scheduler:
         return batch
 
     def _schedule_steady(self, sb: SteadyBatch) -> ScheduledBatch | None:
-        """The steady rows each feed their one pending token: rows at a length limit leave the run first, and
-        joiners whose prompt is done become rows. Joiners still in prefill, then waiting requests, follow by the
+        """The steady rows each feed their one pending token: joiners whose prompt is done become rows, and rows at
+        a length limit leave the run first. Joiners still in prefill, then waiting requests, follow by the
         general rules. None: KV blocks ran out, so the general path (which preempts) must decide."""
-        sb.retire_rows_at_length_limit()
         sb.take_joiners()
+        sb.retire_rows_at_length_limit()  # after: a joiner that sampled its last token leaves at once
         if not len(sb):
             return None
         bm, bs, max_len = self.block_manager, self.block_manager.block_size, self.max_model_len
