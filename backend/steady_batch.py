@@ -19,8 +19,7 @@ from .request import Request
 
 
 class SteadyBatch:
-    """Rows = the running requests (less joiners still in prefill and rows retired at a length limit); their KV
-    positions, block tables and limits as arrays."""
+    """The decoding running requests as rows: their KV positions, block tables and limits as numpy arrays."""
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
         n = len(requests)
