@@ -91,7 +91,7 @@ class Scheduler:
         sb.retire_rows_at_length_limit()  # after: a joiner that sampled its last token leaves at once
         if not len(sb):
             return None
-        bm, bs, max_len = self.block_manager, self.block_manager.block_size, self.max_model_len
+        bm, bs = self.block_manager, self.block_manager.block_size
         for row in sb.rows_needing_block():
             req = sb.requests[row]
             if not bm.allocate_slots(req, 1):
@@ -100,8 +100,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(sb)
         tail: list[tuple[Request, int]] = []  # joiners' chunks, sized and given blocks before anything is counted
         for req in sb.joiners:
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0 or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_len:
+            n = self._tokens_to_feed(req, budget)
+            if not n:
                 continue
             if req.num_computed_tokens + n > len(req.block_ids) * bs and not bm.allocate_slots(req, n):
                 return None
@@ -124,24 +124,22 @@ class Scheduler:
         same = batch.requests == self._last_requests
         self._last_requests = batch.requests
         if (same and batch.is_decode_only and batch.requests == self.running and all(batch.samples)
-                and SteadyBatch.eligible(batch.requests)):
+                and all(map(SteadyBatch.eligible, batch.requests))):
             self.steady = SteadyBatch(batch.requests, self.block_manager.block_size, self.max_model_len,
                                       self.max_blocks)
 
     def _schedule_general(self) -> ScheduledBatch | None:
         batch = ScheduledBatch(step_id=self._next_step_id)
         budget = self.max_num_batched_tokens
-        bm, bs, max_len = self.block_manager, self.block_manager.block_size, self.max_model_len
+        bm, bs = self.block_manager, self.block_manager.block_size
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = req.num_tokens - req.num_computed_tokens
-            # a request at a length limit feeds nothing: it only waits for its last token to finish it
-            if n <= 0 or req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_len:
+            n = self._tokens_to_feed(req, budget)
+            if not n:
                 i += 1
                 continue
-            n = min(n, budget)
             fits = req.num_computed_tokens + n <= len(req.block_ids) * bs  # the common decode case
             while not fits and not bm.allocate_slots(req, n):
                 victim = self.running[-1]
@@ -159,6 +157,13 @@ class Scheduler:
             return None
         self._next_step_id += 1
         return batch
+
+    def _tokens_to_feed(self, req: Request, budget: int) -> int:
+        """Tokens a running request feeds this step within budget; 0 for none. A request at a length limit feeds
+        nothing: it only waits for its last token to finish it."""
+        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return 0
+        return max(0, min(req.num_tokens - req.num_computed_tokens, budget))
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager

@@ -21,34 +21,46 @@ from .request import Request
 class SteadyBatch:
     """The decoding running requests as rows: their KV positions, block tables and limits as numpy arrays."""
 
+    # per-row arrays, kept in row order by _delete and _append
+    _ARRAYS = ("computed", "token_cap", "num_blocks", "tables", "hashed_blocks", "src_rows")
+
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
-        n = len(requests)
-        self.requests = list(requests)
-        self.request_ids = [r.request_id for r in self.requests]
         self.block_size = block_size
         self.max_model_len = max_model_len
-        # tokens whose KV is written or queued, per row (== request.num_computed_tokens while this batch is current)
-        self.computed = np.fromiter((r.num_computed_tokens for r in self.requests), dtype=np.int64, count=n)
-        # a row may take a steady step only while its token count stays below this cap (max_tokens, max_model_len)
-        self.token_cap = np.fromiter((min(max_model_len, r.num_prompt_tokens + r.params.max_tokens)
-                                      for r in self.requests), dtype=np.int64, count=n)
-        self.num_blocks = np.fromiter((len(r.block_ids) for r in self.requests), dtype=np.int64, count=n)
-        self.tables = np.zeros((n, max_blocks), dtype=np.int32)  # (rows, max_blocks) each row's KV blocks
-        for row, req in enumerate(self.requests):
-            self.tables[row, :len(req.block_ids)] = req.block_ids
-        # full blocks already hashed for prefix caching, per row
-        self.hashed_blocks = np.fromiter((len(r.block_hashes) for r in self.requests), dtype=np.int64, count=n)
+        self.max_blocks = max_blocks
+        self.requests = list(requests)
+        self.request_ids = [r.request_id for r in self.requests]
+        # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
+        self._set_arrays(self._columns(self.requests, np.arange(len(self.requests))))
         # any row's stop token: a step that samples one goes to the general update, which checks each row
         self.stop_ids = frozenset().union(*(r.stop_ids for r in self.requests))
         self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
         self._index_rows()
         self.version = 0  # bumped whenever rows leave or join: a step packed under another version has other rows
-        # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
-        self.src_rows = self.rows.copy()
         # running requests admitted during the run, not rows yet (prefilling); and, for those the step packed last
         # sampled, their output row there
         self.joiners: list[Request] = []
         self.joiner_rows: dict[int, int] = {}
+
+    def _columns(self, reqs: list[Request], src_rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The per-row arrays (in _ARRAYS order) for reqs, read from the requests themselves."""
+        n = len(reqs)
+        # tokens whose KV is written or queued (== request.num_computed_tokens while this batch is current)
+        computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=n)
+        # a row may take a steady step only while its token count stays below this cap (max_tokens, max_model_len)
+        token_cap = np.fromiter((min(self.max_model_len, r.num_prompt_tokens + r.params.max_tokens) for r in reqs),
+                                dtype=np.int64, count=n)
+        num_blocks = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=n)
+        tables = np.zeros((n, self.max_blocks), dtype=np.int32)  # (rows, max_blocks) each row's KV blocks
+        for row, req in enumerate(reqs):
+            tables[row, :len(req.block_ids)] = req.block_ids
+        # full blocks already hashed for prefix caching
+        hashed_blocks = np.fromiter((len(r.block_hashes) for r in reqs), dtype=np.int64, count=n)
+        return computed, token_cap, num_blocks, tables, hashed_blocks, src_rows.astype(np.int64)
+
+    def _set_arrays(self, arrays) -> None:
+        for name, array in zip(self._ARRAYS, arrays):
+            setattr(self, name, array)
 
     def _index_rows(self) -> None:
         # rows whose caller streams: they get a (request_id, token) event every step
@@ -81,9 +93,7 @@ class SteadyBatch:
         keep[rows] = False
         self.requests = [r for r, k in zip(self.requests, keep) if k]
         self.request_ids = [rid for rid, k in zip(self.request_ids, keep) if k]
-        self.computed, self.token_cap = self.computed[keep], self.token_cap[keep]
-        self.num_blocks, self.tables = self.num_blocks[keep], self.tables[keep]
-        self.hashed_blocks, self.src_rows = self.hashed_blocks[keep], self.src_rows[keep]
+        self._set_arrays(getattr(self, name)[keep] for name in self._ARRAYS)
         self._index_rows()
         self.version += 1
 
@@ -99,31 +109,24 @@ class SteadyBatch:
         for req in list(self.joiners):
             src = self.joiner_rows.get(id(req))
             if (src is not None and req.num_tokens - req.num_computed_tokens == 1
-                    and req.num_computed_tokens >= req.num_prompt_tokens and self.eligible([req])):
+                    and req.num_computed_tokens >= req.num_prompt_tokens and self.eligible(req)):
                 self.joiners.remove(req)
                 self._append(req, src)
 
     def _append(self, req: Request, src_row: int) -> None:
         self.requests.append(req)
         self.request_ids.append(req.request_id)
-        self.computed = np.append(self.computed, req.num_computed_tokens)
-        cap = min(self.max_model_len, req.num_prompt_tokens + req.params.max_tokens)
-        self.token_cap = np.append(self.token_cap, cap)
-        self.num_blocks = np.append(self.num_blocks, len(req.block_ids))
-        table = np.zeros((1, self.tables.shape[1]), dtype=self.tables.dtype)
-        table[0, :len(req.block_ids)] = req.block_ids
-        self.tables = np.concatenate([self.tables, table])
-        self.hashed_blocks = np.append(self.hashed_blocks, len(req.block_hashes))
-        self.src_rows = np.append(self.src_rows, src_row)
+        row = self._columns([req], np.array([src_row]))
+        self._set_arrays(np.concatenate([getattr(self, name), part]) for name, part in zip(self._ARRAYS, row))
         self.stop_ids |= req.stop_ids
         self.all_plain_greedy = self.all_plain_greedy and req.plain_greedy
         self._index_rows()
         self.version += 1
 
     @staticmethod
-    def eligible(requests: list[Request]) -> bool:
-        """Requests a steady run can carry: no logprobs (their rows need the general read and update)."""
-        return all(r.params.logprobs is None for r in requests)
+    def eligible(req: Request) -> bool:
+        """A request a steady run can carry as a row: no logprobs (they need the general read and update)."""
+        return req.params.logprobs is None
 
     def rows_needing_block(self) -> np.ndarray:
         """Rows whose next token starts a KV block they do not hold yet."""
