@@ -31,6 +31,7 @@ class EngineConfig:
     steady_decode: bool = True  # runs of identical decode steps are scheduled, packed and read as arrays
     attention_backend: str = "auto"  # auto | torch | triton
     linear_backend: str = "auto"  # auto (measured table) | triton | cublas: decode GEMMs on the triton path
+    dependent_launch: str = "auto"  # auto (on for compute capability >= 9.0) | on | off: triton kernels overlap
     seed: int = 0  # seed for requests that bring none
     timeline: bool = False  # record CPU/GPU spans from the start (switchable at run time)
     max_stop_strings: int = 16
@@ -80,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.linear_backend not in ("auto", "triton", "cublas"):
             raise ValueError(f"linear_backend must be auto, triton or cublas, got {self.linear_backend!r}")
+        if self.dependent_launch not in ("auto", "on", "off"):
+            raise ValueError(f"dependent_launch must be auto, on or off, got {self.dependent_launch!r}")
         _positive("max_stop_strings", self.max_stop_strings)
         _positive("max_stop_string_length", self.max_stop_string_length)
         if not isinstance(self.test_fault_every_n_steps, int) or self.test_fault_every_n_steps < 0:

@@ -74,7 +74,8 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
         path = resolve_model_path(config.model, config.cache_dir)
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = load_model(path, dtype=dtype, device=device, attention_backend=backend,
-                           linear_backend=config.linear_backend)
+                           linear_backend=config.linear_backend,
+                           dependent_launch=_dependent_launch(config.dependent_launch, backend, device))
     spec = model.spec
     max_len = config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_MAX_LEN_CAP)
     if max_len > spec.max_position_embeddings:
@@ -95,6 +96,13 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
              path, device, dtype, num_blocks, config.block_size, max_len, backend, async_pipeline)
     return EngineParts(device, dtype, model, tokenizer, max_len, block_manager, scheduler, runner, timeline,
                        async_pipeline)
+
+
+def _dependent_launch(setting: str, backend: str, device: torch.device) -> bool:
+    """auto: on for the triton path on GPUs with programmatic dependent launch (compute capability 9.0+)."""
+    if setting != "auto":
+        return setting == "on"
+    return backend == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _num_kv_blocks(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device) -> int:

@@ -22,7 +22,7 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
 def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: str = "torch",
-               linear_backend: str = "auto") -> LlamaFamilyModel:
+               linear_backend: str = "auto", dependent_launch: bool = False) -> LlamaFamilyModel:
     """Read config.json and *.safetensors from `path`; never runs remote code or unpickles weights."""
     folder = Path(path)
     device = torch.device(device)
@@ -31,7 +31,7 @@ def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: 
     spec = _make_spec(config, folder, dtype)
     if attention_backend == "auto":
         attention_backend = "triton" if device.type == "cuda" else "torch"
-    ops = get_ops(attention_backend, linear_backend)
+    ops = get_ops(attention_backend, linear_backend, dependent_launch)
     if is_random_checkpoint(folder):
         weights = random_weights(folder, config, spec, dtype, device)
     else:

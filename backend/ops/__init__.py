@@ -1,9 +1,10 @@
 """Op sets for the model: the plain-torch path (reference, CPU and CUDA) and the Triton-language CUDA path."""
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from backend.ops import layers as _torch_layers
 from backend.ops.attention import AttentionMetadata, paged_attention as _torch_paged_attention
@@ -42,28 +43,48 @@ def _from_modules(name: str, attention: Callable, layers, linear: Callable = _to
     )
 
 
-def get_ops(backend: str, linear_backend: str = "auto") -> Ops:
+def get_ops(backend: str, linear_backend: str = "auto", dependent_launch: bool = False) -> Ops:
     """Ops for "torch" or "triton"; Triton falls back to torch (with a warning) when it cannot be imported.
 
     linear_backend, on the triton path: "auto" takes the decode-sized GEMM kernel for the shapes where it was
     measured faster than cuBLAS (triton_linear.H200_CONFIGS), "triton" for every batch of up to 64 rows, "cublas"
-    never. The torch path always uses F.linear."""
+    never. The torch path always uses F.linear.
+    dependent_launch, on the triton path: launch every Triton-language kernel as a programmatic dependent of the
+    kernel before it (triton_launch; compute capability 9.0 and later only)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if linear_backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {linear_backend!r}")
     if backend == "triton":
         try:
-            # imported lazily: triton is absent on CPU-only machines
-            from backend.ops import triton_argmax, triton_layers, triton_linear
-            from backend.ops.triton_attention import paged_attention as triton_paged_attention
-
-            linear = {"auto": triton_linear.tuned_linear, "triton": triton_linear.linear,
-                      "cublas": _torch_layers.linear}[linear_backend]
-            return _from_modules("triton", triton_paged_attention, triton_layers, linear, triton_argmax.greedy_argmax)
+            return _triton_ops(linear_backend, dependent_launch)
         except Exception as exc:  # ImportError, or a triton install that fails to initialise
             logger.warning("triton ops unavailable (%s: %s); using the torch ops", type(exc).__name__, exc)
     return _from_modules("torch", _torch_paged_attention, _torch_layers)
+
+
+def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
+    # imported lazily: triton is absent on CPU-only machines
+    from backend.ops import triton_argmax, triton_layers, triton_linear
+    from backend.ops.triton_attention import paged_attention as triton_paged_attention
+
+    def bind(fn: Callable) -> Callable:
+        return functools.partial(fn, pdl=True) if pdl else fn
+
+    layers = _BoundLayers(*(bind(getattr(triton_layers, f)) for f in _BoundLayers._fields))
+    linear = {"auto": bind(triton_linear.tuned_linear), "triton": bind(triton_linear.linear),
+              "cublas": _torch_layers.linear}[linear_backend]
+    name = "triton+pdl" if pdl else "triton"
+    return _from_modules(name, bind(triton_paged_attention), layers, linear, bind(triton_argmax.greedy_argmax))
+
+
+class _BoundLayers(NamedTuple):
+    """The element-wise layer kernels, each with its launch mode bound."""
+
+    rms_norm: Callable
+    add_rms_norm: Callable
+    rope_write_kv: Callable
+    silu_and_mul: Callable
 
 
 __all__ = ["AttentionMetadata", "Ops", "get_ops", "BACKENDS", "LINEAR_BACKENDS"]

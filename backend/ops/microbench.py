@@ -6,6 +6,7 @@ must cross device memory (KV read once / weights read once) over the time of a C
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -25,8 +26,9 @@ def _require_cuda():
         raise RuntimeError("the microbenchmarks need a CUDA device")
 
 
-def _time_graph(fn, replays: int = 20, repeats: int = 7) -> float:
-    """Median milliseconds of one call of fn, captured in a CUDA graph and replayed `replays` times a sample."""
+def _time_graph(fn, replays: int = 20, repeats: int = 7, chain: int = 1) -> float:
+    """Median milliseconds of one call of fn, captured in a CUDA graph (`chain` calls back to back, as the
+    kernels of a decode step run) and replayed `replays` times a sample."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile, autotune and allocate outside the capture
@@ -36,7 +38,8 @@ def _time_graph(fn, replays: int = 20, repeats: int = 7) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: split-K GEMM counters are per stream
-        fn()
+        for _ in range(chain):
+            fn()
     for _ in range(3):
         graph.replay()
     samples = []
@@ -47,7 +50,7 @@ def _time_graph(fn, replays: int = 20, repeats: int = 7) -> float:
             graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / replays)
+        samples.append(start.elapsed_time(end) / replays / chain)
     del graph
     return statistics.median(samples)
 
@@ -215,26 +218,41 @@ LINEAR_SHAPES = {  # (N, K) of the decode GEMMs: Llama-3-8B and Llama-3.2-1B
 LINEAR_SWEEP = ((32, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),
                 (64, 256, 8, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3), (128, 64, 4, 4),
                 (16, 256, 4, 4),
-                # split-K (fifth field): for narrow W with a long K
+                # split-K (fifth field): for narrow W with a long K, and for 64 rows, where each program's x
+                # tile costs as much as its W tile unless K is cut
                 (64, 128, 4, 4, 2), (64, 128, 4, 6, 2), (64, 128, 4, 4, 4), (64, 256, 4, 3, 2), (32, 128, 4, 4, 4),
-                (32, 256, 4, 3, 4), (16, 256, 4, 4, 4))
+                (32, 256, 4, 3, 4), (16, 256, 4, 4, 4), (64, 64, 4, 4, 4), (64, 64, 4, 4, 8), (128, 64, 4, 4, 4),
+                (128, 64, 4, 4, 8), (128, 128, 4, 4, 2), (128, 128, 4, 4, 4), (128, 128, 8, 4, 4),
+                (256, 64, 8, 4, 4), (256, 64, 8, 4, 8))
 
 
-def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP) -> list:
-    """Each decode GEMM shape: cuBLAS, the kernel's own choice, and every config in `configs`; TB/s of W."""
+def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP, chain: int = 1, pdl: bool = False) -> list:
+    """Each decode GEMM shape: cuBLAS, the kernel's own choice, and every config in `configs`; TB/s of W.
+
+    chain > 1 times that many calls back to back in one graph; pdl launches the kernel as a programmatic
+    dependent (each call's start overlaps the previous call's end, as between the kernels of a step)."""
     from backend.ops import triton_linear as tlin
 
     out = []
     for name, (n, k) in (shapes or LINEAR_SHAPES).items():
         w = torch.empty(n, k, dtype=torch.bfloat16, device=_DEV).normal_(0.0, k ** -0.5)
+        # a chain reads a different copy of W each call: the same W again would come from L2
+        copies = itertools.cycle([w] + [w.clone() for _ in range(chain - 1)])
         for rows in rows_list:
             x = torch.randn(rows, k, dtype=torch.bfloat16, device=_DEV)
+
+            def kernel(cfg=None):
+                return tlin.linear(x, next(copies), config=cfg, pdl=pdl)
+
+            def cublas():
+                return F.linear(x, next(copies))
+
             row = dict(shape=name, rows=rows, auto=tlin.choose_config(n, k, tlin._sm_count(w.device)))
-            row["cublas"] = w.numel() * 2 / _time_graph(lambda: F.linear(x, w)) / 1e9
-            row["triton_auto"] = w.numel() * 2 / _time_graph(lambda: tlin.linear(x, w)) / 1e9
+            row["cublas"] = w.numel() * 2 / _time_graph(cublas, chain=chain) / 1e9
+            row["triton_auto"] = w.numel() * 2 / _time_graph(kernel, chain=chain) / 1e9
             for cfg in configs:
                 c = tlin.LinearConfig(*cfg)
-                r = _guarded(lambda **_: dict(ms=_time_graph(lambda: tlin.linear(x, w, config=c))))
+                r = _guarded(lambda **_: dict(ms=_time_graph(lambda: kernel(c), chain=chain)))
                 row["x".join(map(str, cfg))] = 0.0 if r["ms"] != r["ms"] else w.numel() * 2 / r["ms"] / 1e9
             best = max((key for key in row if key not in ("shape", "rows", "auto")), key=lambda key: row[key])
             row["best"] = best
@@ -242,7 +260,7 @@ def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP) -> li
             print(f"  {name:11s} rows={rows:3d} cublas={row['cublas']:.3f} auto={row['triton_auto']:.3f} "
                   f"({row['auto'].block_n}x{row['auto'].block_k}) best={best} {row[best]:.3f} TB/s", flush=True)
             row["auto"] = str(row["auto"])
-        del w
+        del w, copies
     return out
 
 
@@ -254,18 +272,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sweep", action="store_true", help="also sweep decode launch configurations")
     ap.add_argument("--linear", action="store_true", help="only the decode GEMMs: cuBLAS against triton_linear")
+    ap.add_argument("--shapes", default=None, help="--linear: comma-separated names of LINEAR_SHAPES (default all)")
+    ap.add_argument("--rows", default="1,32,64", help="--linear: batch rows to time")
+    ap.add_argument("--chain", type=int, default=1, help="--linear: calls back to back in one graph")
+    ap.add_argument("--pdl", action="store_true", help="--linear: launch as programmatic dependents")
+    ap.add_argument("--no-weight-pass", action="store_true", help="--linear: skip the whole-model weight passes")
     args = ap.parse_args(argv)
     _require_cuda()
     results = {"device": torch.cuda.get_device_name()}
     if args.linear:
         from backend.ops import triton_linear as tlin
 
-        results["linear_sweep"] = sweep_linear()
-        for batch in (1, 32, 64):
+        shapes = {name: LINEAR_SHAPES[name] for name in args.shapes.split(",")} if args.shapes else None
+        results["linear_sweep"] = sweep_linear(tuple(int(r) for r in args.rows.split(",")), shapes,
+                                               chain=args.chain, pdl=args.pdl)
+        for batch in () if args.no_weight_pass else (1, 32, 64):
             for label, fn in (("cublas", F.linear), ("triton", tlin.linear), ("tuned", tlin.tuned_linear)):
                 results[f"weight_pass_b{batch}_{label}"] = r = bench_weight_pass(batch=batch, linear=fn)
                 print(f"weight pass batch {batch} {label}: {r['ms']:.3f} ms {r['tb_per_s']:.3f} TB/s", flush=True)
-        for label, fn in (("cublas", F.linear), ("tuned", tlin.tuned_linear)):
+        for label, fn in () if args.no_weight_pass else (("cublas", F.linear), ("tuned", tlin.tuned_linear)):
             results[f"weight_pass_layers_b32_{label}"] = r = bench_weight_pass(with_layers=True, linear=fn)
             print(f"weight pass + layers batch 32 {label}: {r['ms']:.3f} ms {r['tb_per_s']:.3f} TB/s", flush=True)
         print(json.dumps(results, separators=(",", ":")))

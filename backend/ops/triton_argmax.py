@@ -14,6 +14,8 @@ try:
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
     raise ImportError("backend.ops.triton_argmax needs the `triton` package") from exc
 
+from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
+
 __all__ = ["greedy_argmax", "ARGMAX_CHUNK"]
 
 ARGMAX_CHUNK = 8192  # logits per program: 16 KB of bf16, one load of 32 values per thread at 8 warps
@@ -25,7 +27,9 @@ def _alloc(shape, dtype, device):
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, num_chunks, CHUNK: tl.constexpr):
+def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, num_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
+    dependent_wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -39,7 +43,9 @@ def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, num_chunks, CHUNK: t
 
 
 @triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, stride_out, num_chunks, C_PAD: tl.constexpr):
+def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, stride_out, num_chunks, C_PAD: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
+    dependent_wait(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, C_PAD)
     vals = tl.load(val_ptr + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
@@ -49,7 +55,7 @@ def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, stride_out, num_chunks, C_PAD:
     tl.store(out_ptr + row.to(tl.int64) * stride_out, idx.to(tl.int64))
 
 
-def greedy_argmax(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, out: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """out[i] = the first index of row i's maximum of logits (N, V); out is (N,) int64. Returns out.
 
     Equal to `logits.argmax(-1)` for every finite or infinite row; a row holding NaN gives the first NaN or
@@ -67,7 +73,7 @@ def greedy_argmax(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     vals = _alloc((rows, chunks), torch.float32, logits.device)
     idx = _alloc((rows, chunks), torch.int32, logits.device)
     _chunk_max_kernel[(rows, chunks)](logits, vals, idx, vocab, logits.stride(0), chunks, CHUNK=ARGMAX_CHUNK,
-                                      num_warps=8)
+                                      PDL=pdl, num_warps=8, launch_pdl=pdl)
     _pick_chunk_kernel[(rows,)](vals, idx, out, out.stride(0), chunks, C_PAD=max(2, triton.next_power_of_2(chunks)),
-                                num_warps=1)
+                                PDL=pdl, num_warps=1, launch_pdl=pdl)
     return out

@@ -11,6 +11,8 @@ try:
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
     raise ImportError("backend.ops.triton_attention needs the `triton` package") from exc
 
+from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
+
 __all__ = ["paged_attention", "write_kv_cache", "decode_attention", "prefill_attention", "choose_num_splits"]
 
 _LOG2E = 1.4426950408889634
@@ -81,7 +83,10 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ckv, stride_cb, stride_cs, stride_ch,
     H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)
+    dependent_wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # a negative slot means "do not cache" (never produced by the runner, but cheap to honour)
@@ -98,7 +103,8 @@ def _write_kv_kernel(
     tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor):
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor, *,
+                   pdl: bool = False):
     """Write k, v (T, Hkv, D) into kv_cache_layer (2, NB, BS, Hkv, D) at the flat slots of slot_mapping (T,)."""
     T, H, D = k.shape
     if T == 0:
@@ -113,7 +119,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tenso
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         H=H, D=D, H_PAD=triton.next_power_of_2(H), D_PAD=triton.next_power_of_2(D), BS=c.shape[2],
-        num_warps=4 if H * D >= 1024 else 1,
+        PDL=pdl, num_warps=4 if H * D >= 1024 else 1, launch_pdl=pdl,
     )
 
 
@@ -126,9 +132,11 @@ def _decode_kernel(
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2 (exp2 is one instruction)
     num_splits, stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     # DIRECT: a single split writes the normalised output itself and no reduce kernel runs
+    allow_dependents(PDL)
+    dependent_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,8 +199,10 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-    HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)
+    dependent_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(qsl_ptr + b).to(tl.int64)
@@ -215,7 +225,7 @@ def _decode_reduce_kernel(
 
 
 def decode_attention(q, kv_cache_layer, meta, scale, out=None, *, num_splits=None, block_n=None,
-                     num_warps=None, num_stages=None):
+                     num_warps=None, num_stages=None, pdl: bool = False):
     """Paged decode attention (one query token per sequence) over the cache; split-K with a reduce kernel."""
     T, HQ, D = q.shape
     _, _, BS, HKV, _ = kv_cache_layer.shape
@@ -245,14 +255,15 @@ def decode_attention(q, kv_cache_layer, meta, scale, out=None, *, num_splits=Non
         q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3), bt.stride(0),
         out.stride(0), out.stride(1),
         HQ=HQ, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
-        DIRECT=num_splits == 1, DOT_PREC=_dot_precision(q.dtype),
+        DIRECT=num_splits == 1, DOT_PREC=_dot_precision(q.dtype), PDL=pdl,
         num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or _stages(DECODE_NUM_STAGES, q.dtype),
+        launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](
             part_acc, part_m, part_l, meta.query_start_loc, out, num_splits, out.stride(0), out.stride(1),
-            HQ=HQ, D=D, D_PAD=D_PAD, S_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4,
+            HQ=HQ, D=D, D_PAD=D_PAD, S_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
         )
     return out
 
@@ -266,7 +277,10 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)
+    dependent_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
 
@@ -334,7 +348,7 @@ def _prefill_kernel(
 
 
 def prefill_attention(q, kv_cache_layer, meta, scale, out=None, *, block_m=None, block_n=None,
-                      num_warps=None, num_stages=None):
+                      num_warps=None, num_stages=None, pdl: bool = False):
     """Paged causal attention for variable query lengths (prefill, chunked prefill, mixed batches)."""
     T, HQ, D = q.shape
     _, _, BS, HKV, _ = kv_cache_layer.shape
@@ -357,20 +371,21 @@ def prefill_attention(q, kv_cache_layer, meta, scale, out=None, *, block_m=None,
         out.stride(0), out.stride(1),
         G=G, D=D, D_PAD=max(16, triton.next_power_of_2(D)), BS=BS,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n or PREFILL_BLOCK_N, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=num_warps or PREFILL_NUM_WARPS, num_stages=num_stages or _stages(PREFILL_NUM_STAGES, q.dtype),
+        PDL=pdl, num_warps=num_warps or PREFILL_NUM_WARPS,
+        num_stages=num_stages or _stages(PREFILL_NUM_STAGES, q.dtype), launch_pdl=pdl,
     )
     return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache_layer: torch.Tensor,
-                    meta, scale: float) -> torch.Tensor:
+                    meta, scale: float, *, pdl: bool = False) -> torch.Tensor:
     """Write k/v (T, Hkv, D) into the paged cache, then attend q (T, Hq, D) causally; returns (T, Hq, D).
 
     k and v None: this step's K/V are already in the cache (rope_write_kv put them there)."""
     if q.shape[1] % kv_cache_layer.shape[3]:
         raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({kv_cache_layer.shape[3]})")
     if k is not None:
-        write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping)
+        write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping, pdl=pdl)
     if int(meta.max_query_len) == 1:
-        return decode_attention(q, kv_cache_layer, meta, scale)
-    return prefill_attention(q, kv_cache_layer, meta, scale)
+        return decode_attention(q, kv_cache_layer, meta, scale, pdl=pdl)
+    return prefill_attention(q, kv_cache_layer, meta, scale, pdl=pdl)

@@ -9,6 +9,8 @@ try:
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
     raise ImportError("backend.ops.triton_layers needs the `triton` package") from exc
 
+from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
+
 __all__ = ["rms_norm", "add_rms_norm", "apply_rope", "rope_write_kv", "silu_and_mul"]
 
 
@@ -34,8 +36,10 @@ def _row_warps(block: int) -> int:
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)
+    dependent_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -54,7 +58,7 @@ def _rms_norm_kernel(
              mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim, numerics of HF LlamaRMSNorm (fp32 compute, cast, times weight)."""
     shape = x.shape
     x2 = _rows(x)
@@ -63,11 +67,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if R:
         block = triton.next_power_of_2(N)
         _rms_norm_kernel[(R,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, float(eps),
-                               N=N, BLOCK=block, HAS_RES=False, num_warps=_row_warps(block))
+                               N=N, BLOCK=block, HAS_RES=False, PDL=pdl, num_warps=_row_warps(block),
+                               launch_pdl=pdl)
     return out.view(shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False):
     """Fused residual add + RMSNorm: returns (rms_norm(x + residual), x + residual)."""
     shape = x.shape
     x2 = _rows(x)
@@ -79,8 +84,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if R:
         block = triton.next_power_of_2(N)
         _rms_norm_kernel[(R,)](x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0),
-                               total.stride(0), float(eps), N=N, BLOCK=block, HAS_RES=True,
-                               num_warps=_row_warps(block))
+                               total.stride(0), float(eps), N=N, BLOCK=block, HAS_RES=True, PDL=pdl,
+                               num_warps=_row_warps(block), launch_pdl=pdl)
     return out.view(shape), total.view(shape)
 
 
@@ -120,8 +125,10 @@ def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cs_ptr, qo_ptr, ko_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
     HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)
+    dependent_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin, offs_j, j_mask = _rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
     _rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
@@ -130,7 +137,8 @@ def _rope_kernel(
                  HK, HK_PAD, HALF)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *,
+               pdl: bool = False):
     """Rotary embedding, neox style: q (T,Hq,D), k (T,Hkv,D), positions (T,), cache (max_pos, D) = [cos | sin].
 
     Out of place (q and k, often views of one fused qkv output, are left untouched); returns (q, k)."""
@@ -150,7 +158,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             k_out.stride(0), k_out.stride(1), cs.stride(0),
             HQ=HQ, HK=HK, HQ_PAD=triton.next_power_of_2(HQ), HK_PAD=triton.next_power_of_2(HK),
-            HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return q_out, k_out
 
@@ -162,7 +170,10 @@ def _rope_write_kv_kernel(
     stride_ckv, stride_cb, stride_cslot, stride_ch,
     HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    allow_dependents(PDL)
+    dependent_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin, offs_j, j_mask = _rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
     _rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
@@ -181,7 +192,8 @@ def _rope_write_kv_kernel(
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                  cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor):
+                  cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor, *,
+                  pdl: bool = False):
     """apply_rope on q and k, then k and v into the paged cache (2, NB, BS, Hkv, D) at slot_mapping: one launch.
 
     Returns the rotated q (T, Hq, D); the rotated k exists only in the cache."""
@@ -201,7 +213,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
             q_out.stride(0), q_out.stride(1), cs.stride(0), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
             HQ=HQ, HK=HK, HQ_PAD=triton.next_power_of_2(HQ), HK_PAD=triton.next_power_of_2(HK),
             HALF=half, HALF_PAD=triton.next_power_of_2(half), D=D, D_PAD=triton.next_power_of_2(D),
-            BS=c.shape[2], num_warps=4,
+            BS=c.shape[2], PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return q_out
 
@@ -210,7 +222,9 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 # SiLU(gate) * up over the fused gate_up projection output
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    allow_dependents(PDL)
+    dependent_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -220,7 +234,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """(…, 2I) → (…, I): silu(x[..., :I]) * x[..., I:] (gate first, as in the fused gate_up weight)."""
     shape = x.shape
     x2 = _rows(x)
@@ -230,5 +244,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if R and I:
         block = min(2048, triton.next_power_of_2(I))
         _silu_and_mul_kernel[(R, triton.cdiv(I, block))](x2, out, x2.stride(0), out.stride(0), I,
-                                                        BLOCK=block, num_warps=_row_warps(block))
+                                                        BLOCK=block, PDL=pdl, num_warps=_row_warps(block),
+                                                        launch_pdl=pdl)
     return out.view(*shape[:-1], I)

@@ -20,6 +20,7 @@ except ImportError as exc:  # the dispatcher catches this and keeps the plain-to
 
 from backend.ops import layers as torch_layers  # noqa: E402  (after the guarded triton import)
 from backend.ops.triton_attention import _sm_count  # noqa: E402
+from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402
 
 __all__ = ["linear", "tuned_linear", "LinearConfig", "choose_config", "H200_CONFIGS", "MAX_ROWS"]
 
@@ -55,7 +56,7 @@ def _bias_and_store(acc, b_ptr, y_ptr, offs_n, offs_m, n_mask, out_mask, stride_
 def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -65,10 +66,12 @@ def _skinny_linear_kernel(
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    # the weight slice is the MMA's A operand (BLOCK_N ≥ 16 rows); x's padded rows are B's columns
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_run = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K  # whole K steps per split
     k_start = split * k_run
+    allow_dependents(PDL)
+    dependent_wait(PDL)
+    # the weight slice is the MMA's A operand (BLOCK_N ≥ 16 rows); x's padded rows are B's columns
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + k_run, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -130,6 +133,10 @@ H200_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
     (2048, 8192, 32): LinearConfig(64, 128, 4, 4, split_k=4),  # down: 3.40 TB/s; cuBLAS 3.02
     (128256, 2048, 32): LinearConfig(128, 64, 4, 4),
     (128256, 2048, 64): LinearConfig(128, 64, 4, 4),
+    # 64 rows, timed as 8 dependent launches in a row (`--chain 8 --pdl`), as they run in a step with
+    # dependent_launch: gate_up 3.59 TB/s against cuBLAS 3.46, down 2.56 against cuBLAS (split-K + reduce) 2.28
+    (16384, 2048, 64): LinearConfig(128, 128, 4, 4),
+    (2048, 8192, 64): LinearConfig(64, 128, 4, 4, split_k=4),
 }
 
 
@@ -152,16 +159,28 @@ def _stages(cfg: LinearConfig, block_m: int, itemsize: int) -> int:
     return max(2, min(cfg.num_stages, _SHARED_MEMORY // per_stage))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: LinearConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           config: LinearConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias); rows ≤ MAX_ROWS of bf16/fp16 go through the decode kernel, the rest to cuBLAS.
 
+    out: a (rows, N) buffer with unit stride along N to write into (x 2-D), as torch_layers.linear takes.
     config None: the kernel's default shape (choose_config). tuned_linear uses the measured table instead.
-    out: a (rows, N) buffer with unit stride along N to write into (x 2-D), as torch_layers.linear takes."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
-            or not x.is_cuda and not _INTERPRET or out is not None and out.stride(-1) != 1):
+    pdl: launch as a programmatic dependent of the previous kernel (triton_launch)."""
+    if not _kernel_takes(x, weight, out):
         return torch_layers.linear(x, weight, bias, out)
+    return _launch(x, weight, bias, out, config, pdl)
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether the decode kernel runs this call: 1..MAX_ROWS rows of bf16/fp16 on CUDA (or the interpreter)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return not (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
+                or weight.dtype != x.dtype or not x.is_cuda and not _INTERPRET
+                or out is not None and out.stride(-1) != 1)
+
+
+def _launch(x, weight, bias, out, config, pdl: bool) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -181,8 +200,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _skinny_linear_kernel[(tiles, cfg.split_k)](
         x2, w, bias if bias is not None else w, y, parts, counts, rows, n, k, x2.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
-        num_stages=_stages(cfg, block_m, x.element_size()),
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=_stages(cfg, block_m, x.element_size()), launch_pdl=pdl,
     )
     return y.view(*x.shape[:-1], n)
 
@@ -211,11 +230,11 @@ def _block_m(rows: int) -> int:
 
 
 def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, *, pdl: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) through the kernel where H200_CONFIGS lists the shape on this GPU, else cuBLAS."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if 0 < rows <= MAX_ROWS and x.is_cuda and _is_h200_class(x.device):
         config = H200_CONFIGS.get((weight.shape[0], weight.shape[1], _block_m(rows)))
         if config is not None:
-            return linear(x, weight, bias, config=config, out=out)
+            return linear(x, weight, bias, out, config=config, pdl=pdl)
     return torch_layers.linear(x, weight, bias, out)

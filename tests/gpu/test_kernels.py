@@ -508,7 +508,7 @@ def test_tuned_linear_uses_the_table_only_on_its_gpu(monkeypatch):
     """Listed shapes on a 9.0 GPU launch the listed config; unlisted shapes and other GPUs go to cuBLAS."""
     launched = []
     monkeypatch.setattr(tlin, "linear",
-                        lambda x, w, b=None, config=None, out=None: launched.append(config) or "kernel")
+                        lambda x, w, b=None, out=None, config=None, pdl=False: launched.append(config) or "kernel")
     monkeypatch.setattr(tlin.torch_layers, "linear", lambda x, w, b=None, out=None: "cublas")
     x = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=(32, 4096),
                               numel=lambda: 32 * 4096)
@@ -627,3 +627,71 @@ def test_linear_split_k_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, x.double() @ w.double().T) < 5e-3
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs compute capability 9.0")
+def test_dependent_launch_chain_in_a_cuda_graph_equals_plain_launches():
+    """A decode layer's kernels, each reading the one before, launched as programmatic dependents inside one
+    captured graph: every output equals the plain launches' bits, replay after replay with new inputs. A kernel
+    that read before its wait would see the previous replay's values."""
+    torch.manual_seed(0)
+    case = Case([(300, 1), (40, 1), (900, 1), (1, 1)], 8, 2, 64, 16, torch.bfloat16, seed=3)
+    hidden, inter = 8 * 64, 384
+    w_qkv = (torch.randn((8 + 4) * 64, hidden, device=DEVICE) * hidden ** -0.5).to(torch.bfloat16)
+    w_o = (torch.randn(hidden, hidden, device=DEVICE) * hidden ** -0.5).to(torch.bfloat16)
+    w_gu = (torch.randn(2 * inter, hidden, device=DEVICE) * hidden ** -0.5).to(torch.bfloat16)
+    w_down = (torch.randn(hidden, inter, device=DEVICE) * inter ** -0.5).to(torch.bfloat16)
+    norm_w = torch.rand(hidden, device=DEVICE).to(torch.bfloat16) + 0.5
+    cos_sin = torch.randn(2048, 64, device=DEVICE)
+    cfg_split = tlin.LinearConfig(16, 64, 4, 3, split_k=3)
+    positions = case.meta.seq_lens.long() - 1
+    h0 = torch.randn(4, hidden, device=DEVICE).to(torch.bfloat16)
+    r0 = torch.randn(4, hidden, device=DEVICE).to(torch.bfloat16)
+
+    def layer(pdl):
+        x, res = tly.add_rms_norm(h0, r0, norm_w, 1e-5, pdl=pdl)
+        qkv = tlin.linear(x, w_qkv, config=cfg_split, pdl=pdl)
+        q, k, v = qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1)
+        q = tly.rope_write_kv(q.view(4, 8, 64), k.view(4, 2, 64), v.view(4, 2, 64), positions, cos_sin,
+                              case.cache, case.meta.slot_mapping, pdl=pdl)
+        attn = ta.decode_attention(q, case.cache, case.meta, 0.125, num_splits=3, pdl=pdl)
+        h = tlin.linear(attn.reshape(4, -1), w_o, pdl=pdl)
+        x, res = tly.add_rms_norm(h, res, norm_w, 1e-5, pdl=pdl)
+        gu = tlin.linear(x, w_gu, config=tlin.LinearConfig(64, 128, 4, 3), pdl=pdl)
+        out = tlin.linear(tly.silu_and_mul(gu, pdl=pdl), w_down, config=cfg_split, pdl=pdl)
+        best = torch.empty(4, dtype=torch.int64, device=DEVICE)
+        targ.greedy_argmax(out, best, pdl=pdl)
+        return out, res, best
+
+    def capture(pdl):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            layer(pdl)  # compile and allocate the split-K counters outside the capture
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = layer(pdl)
+        return graph, outs
+
+    plain, plain_outs = capture(False)
+    dependent, dependent_outs = capture(True)
+    cache_start = case.cache.clone()
+    for seed in range(4):
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        h0.copy_(torch.randn(h0.shape, generator=gen, device=DEVICE))
+        r0.copy_(torch.randn(r0.shape, generator=gen, device=DEVICE))
+        results = []
+        for graph, outs in ((plain, plain_outs), (dependent, dependent_outs)):
+            case.cache.copy_(cache_start)
+            graph.replay()
+            torch.cuda.synchronize()
+            results.append([o.clone() for o in outs] + [case.cache.clone()])
+        for a, b in zip(*results):
+            assert torch.equal(_bits(a), _bits(b))  # bits: the cache's unused slots hold NaN
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's raw bits, so NaN equals NaN."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()]) if t.is_floating_point() else t
