@@ -42,6 +42,9 @@ class _OutputState:
     released: bool = False  # its final output went out
 
 
+_PLAIN = StepEvent("", None, None, None)  # the last event of a group of plain tokens: not finished, no error
+
+
 @dataclass(slots=True)
 class _Staged:
     """A request's events of one batch, staged: where its new tokens and logprobs start, and its last event."""
@@ -109,11 +112,15 @@ class OutputProcessor:
         """One output per request for all of its events in this batch (a lagging consumer gets bigger deltas,
         not more of them), decoded once; requests with stop strings go token by token, so the stop ends the
         request at the token that completed it whatever the batch holds."""
-        groups: dict[str, list[StepEvent]] = {}
+        # plain tokens stay (request_id, token) tuples: no StepEvent per token
+        groups: dict[str, list] = {}
         for ev in events:
-            if type(ev) is tuple:  # the loop's (request_id, token) for a plain token
-                ev = StepEvent(ev[0], ev[1], None, None)
-            groups.setdefault(ev.request_id, []).append(ev)
+            rid = ev[0] if type(ev) is tuple else ev.request_id
+            group = groups.get(rid)
+            if group is None:
+                groups[rid] = [ev]
+            else:
+                group.append(ev)
         staged: list[_Staged] = []
         for n, (request_id, group) in enumerate(groups.items()):
             if n % _REQUESTS_PER_PASS == 0:
@@ -141,8 +148,8 @@ class OutputProcessor:
             try:
                 self._emit(item, next(decoded) if item.needs else None)
             except Exception:
-                log.exception("output processing failed for %s", item.last.request_id)
-                self._deliver_final(item.last.request_id, "error", "output processing failed")
+                log.exception("output processing failed for %s", item.state.request.request_id)
+                self._deliver_final(item.state.request.request_id, "error", "output processing failed")
 
     def _decode_batch(self, detoks: list[IncrementalDetokenizer]) -> list[tuple[str, str]]:
         """Both windows of every request in one call per skip flag; the Rust batch decode runs without the GIL,
@@ -163,14 +170,20 @@ class OutputProcessor:
                 out[i] = (texts[2 * j], texts[2 * j + 1])
         return out
 
-    def _stage(self, state: _OutputState, group: list[StepEvent]) -> "_Staged":
-        """Take a request's consecutive events: tokens and logprobs appended, text staged but not decoded."""
-        item = _Staged(state, group[-1], len(state.token_ids), len(state.logprobs or ()))
+    def _stage(self, state: _OutputState, group: list) -> "_Staged":
+        """Take a request's consecutive events (StepEvents, or (request_id, token) tuples for plain tokens):
+        tokens and logprobs appended, text staged but not decoded."""
+        last = group[-1]
+        item = _Staged(state, _PLAIN if type(last) is tuple else last, len(state.token_ids), len(state.logprobs or ()))
         if item.last.all_tokens is not None:  # a final-only request's one event carries all of its tokens
             state.token_ids[:] = item.last.all_tokens
             item.has_tokens = bool(state.token_ids)
         else:
             for ev in group:
+                if type(ev) is tuple:
+                    item.has_tokens = True
+                    state.token_ids.append(ev[1])
+                    continue
                 if ev.token is None:
                     continue
                 item.has_tokens = True
