@@ -26,6 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     async_pipeline: bool | None = None  # None: on where CUDA is present
     cuda_graphs: bool = True  # decode steps replay captured graphs on CUDA
+    gc_freeze: bool = True  # after start-up, Python's garbage collector stops walking the objects alive then
     loop_gate: bool = True  # CUDA: output/sender threads do their Python while the loop waits (loop_gate.py)
     max_graph_batch_size: int = 256  # largest decode batch with a captured graph
     steady_decode: bool = True  # runs of identical decode steps are scheduled, packed and read as arrays

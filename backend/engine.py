@@ -13,6 +13,7 @@ import torch
 
 from .config import EngineConfig
 from .engine_setup import EngineParts, build_engine_parts, device_scope
+from .gc_pauses import GcPauses, freeze_heap, thaw_heap
 from .loop_gate import LoopGate
 from .outputs import OutputProcessor, RequestStream, StepEvent
 from .request import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request, RequestOutput, \
@@ -69,6 +70,9 @@ class Engine:
         # why: the loop thread hands the GIL back and forth with the output and sender threads; a short switch
         # interval keeps it from waiting up to 5 ms (Python's default) to get the GIL back after each CUDA wait
         sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
+        if self.config.gc_freeze:
+            freeze_heap()  # why: collections stall the loop; they need not walk the model's start-up objects
+        self.gc_pauses = GcPauses()  # counted from here: the freeze's own collection is start-up
         self.gate = LoopGate(enabled=self.device.type == "cuda" and self.config.loop_gate)
         self.outputs = OutputProcessor(self.tokenizer, self._on_stop_string, self._release_id, self.gate)
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
@@ -169,6 +173,9 @@ class Engine:
         self._inbox.put(("stop", None, None))
         self._thread.join(timeout)
         self.outputs.close()
+        self.gc_pauses.close()
+        if self.config.gc_freeze:
+            thaw_heap()  # why: this engine's objects were frozen too; frozen cycles (and their tensors) never free
         if not self._thread.is_alive():
             self.runner.release()
             self.parts.model = None
@@ -459,6 +466,7 @@ class Engine:
             "preemptions": sch.num_preemptions,
             "steps": self._steps,
             "steady_steps": sch.num_steady_steps,
+            **self.gc_pauses.snapshot(),
         }
         if self.timeline.enabled and self._steps % 256 == 0 and self._steps:
             # O(1): a summary over 256 steps' spans (and resolving their events at once) stalled the loop for ms

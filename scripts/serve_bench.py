@@ -104,6 +104,7 @@ def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int
             wall = time.perf_counter() - start
             tokens = sum(len(o.token_ids) for o in outs)
             out[n] = dict(wall_s=round(wall, 3), tok_per_s=round(tokens / wall, 1))
+        out["gc"] = {k: v for k, v in engine.stats().items() if k.startswith("gc_")}
     finally:
         engine.shutdown()
         del engine
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--log", default=None, help="tritonserver log file")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine setting for the served model and the engine alone, e.g. gc_freeze=false")
     ap.add_argument("--engine-stream", action="store_true",
                     help="also run the engine alone with streamed, per-step detokenized outputs")
     args = ap.parse_args(argv)
@@ -126,6 +129,7 @@ def main(argv=None) -> int:
     lo, hi = (int(x) for x in args.prompt_len.split(","))
     parameters = {"model": args.model, "max_num_seqs": str(max(levels)), "max_model_len": str(args.max_model_len),
                   "max_num_batched_tokens": "8192", "timeline": "true"}
+    parameters.update(item.split("=", 1) for item in args.set)
     waves = {n: make_requests(n, (lo, hi), args.new_tokens, seed=n) for n in levels}
     print(f"# serve_bench: model {args.model}, concurrency {levels}, prompt {lo}-{hi}, new tokens {args.new_tokens}",
           flush=True)
@@ -147,6 +151,7 @@ def main(argv=None) -> int:
         stop_server(proc)
     engine = offline(parameters, waves, args.new_tokens)
     streamed = offline(parameters, waves, args.new_tokens, stream=True) if args.engine_stream else {}
+    print(f"engine  gc={engine['gc']}", flush=True)
     for n in levels:
         served[n]["engine_tok_per_s"] = engine[n]["tok_per_s"]
         served[n]["triton_vs_engine"] = round(served[n]["tok_per_s"] / engine[n]["tok_per_s"], 3)

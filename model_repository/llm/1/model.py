@@ -171,6 +171,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._closing = self.loop.closing = True
+        gc_figures = {k: v for k, v in self.engine.stats().items() if k.startswith("gc_")}
+        pb_utils.Logger.log_info(f"tandem: garbage collector since start: {gc_figures}")
         self.engine.shutdown()  # every unfinished request gets a final "abort" output in the queue
         self.loop.stop()
         pb_utils.Logger.log_info("tandem: engine stopped")
