@@ -2,6 +2,7 @@
 # GPU machine, one call: Tandem served by a real tritonserver (the one carried from the nvidia-pytriton wheel),
 # compared with the engine alone (scripts.serve_bench), then Locust at 32, 64 and 128 users. Figures under $OUT.
 # SERVE_ARGS: more serve_bench options (e.g. --engine-stream).
+# PYSPY=<seconds>: py-spy samples the model's stub process (threads holding the GIL) from its start, into pyspy_gil.txt.
 # TRITON_TESTS=<pytest paths> first runs tests that need the carried tritonserver (e.g. the multi-GPU test).
 # At most seven files come back: serve_bench.log, triton_tests.log, locust.jsonl (one summary per user count),
 # locust_server.log and the last level's three charts.
@@ -25,6 +26,15 @@ export PYTHONPATH="$SITE" TANDEM_SERVER_PYTHONPATH="$NUMPY1"
 if [ -n "${TRITON_TESTS:-}" ]; then  # tests that start tritonserver themselves, e.g. tests/gpu/test_multi_gpu.py
   timeout "${T_TESTS:-300}" "$PY" -m pytest $TRITON_TESTS -q -s -p no:cacheprovider > "$OUT/triton_tests.log" 2>&1
   grep -E "requests per instance|passed|failed|Error" "$OUT/triton_tests.log" | tail -8
+fi
+
+if [ -n "${PYSPY:-}" ]; then  # PYSPY=<seconds>: sample which stub threads hold the GIL (py-spy wheel in .whl/)
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl 2>&1 | tail -2
+  # the newest stub alive for 10 s: the first one only answers auto_complete_config and exits
+  ( for _ in $(seq 600); do pid=$(pgrep -n -f triton_python_backend_stub)
+      [ -n "$pid" ] && [ "$(ps -o etimes= -p "$pid" | tr -d ' ')" -ge 10 ] 2>/dev/null && break; sleep 1; done
+    /tmp/pyspy/bin/py-spy record --pid "$pid" --duration "$PYSPY" --rate 500 --gil --threads --nonblocking \
+      --format raw -o "$OUT/pyspy_gil.txt" > "$OUT/pyspy.log" 2>&1 ) &
 fi
 
 if [ "${SERVE_BENCH:-1}" = 1 ]; then
