@@ -7,8 +7,10 @@ import shutil
 import time
 
 import pytest
+import torch
 
 from backend import Engine, EngineConfig, SamplingParams
+from backend.ops import get_ops
 from tests.tiny_models import EOS, build_tiny, hf_greedy, hf_model, kv_blocks_used_after_settling, random_prompts
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
@@ -298,10 +300,24 @@ def test_unknown_sampling_key_rejected():
     (dict(max_num_batched_tokens=8, max_num_seqs=16), "max_num_batched_tokens"),
     (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction"), (dict(attention_backend="x"), "attention"),
     (dict(linear_backend="cutlass"), "linear_backend must be auto, triton or cublas"),
+    (dict(dependent_launch="yes"), "dependent_launch must be auto, on or off"),
 ])
 def test_bad_config(settings, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**settings).validate()
+
+
+def test_dependent_launch_is_on_only_for_the_triton_path_on_a_gpu():
+    """auto: never on CPU or on the torch path (where no Triton kernel runs); on and off are taken as said."""
+    from backend.engine_setup import _dependent_launch
+
+    cpu = torch.device("cpu")
+    assert not _dependent_launch("auto", "torch", cpu)
+    assert not _dependent_launch("auto", "triton", cpu)
+    assert _dependent_launch("on", "triton", cpu)
+    assert not _dependent_launch("off", "triton", cpu)
+    ops = get_ops("torch", dependent_launch=True)  # the torch path has no launches to make dependent
+    assert ops.name == "torch"
 
 
 def test_config_from_strings_and_unknown_keys():
