@@ -50,7 +50,7 @@ class ResponseLoop:
 
     def __init__(self, engine: Any, metrics: Any, stats_interval_s: float = 0.5,
                  on_engine_dead: Callable[[], None] | None = None):
-        self.queue: queue.Queue = queue.Queue()  # the engine's sink for every request
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()  # the engine's sink for every request (C put and get)
         self._engine, self._metrics, self._stats_interval = engine, metrics, stats_interval_s
         self._on_engine_dead = on_engine_dead  # called once, from this thread, when the engine stops by itself
         self._dead_reported = False
