@@ -155,6 +155,7 @@ class Engine:
     def stats(self) -> dict:
         """Figures for metrics: queue sizes, KV usage, prefix hits, preemptions, busy fraction."""
         snap = dict(self._stats_snapshot)
+        snap.update(self.gc_pauses.snapshot())  # here, not in the loop's per-step refresh: read every 0.5 s
         snap["healthy"] = self.healthy
         return snap
 
@@ -466,7 +467,6 @@ class Engine:
             "preemptions": sch.num_preemptions,
             "steps": self._steps,
             "steady_steps": sch.num_steady_steps,
-            **self.gc_pauses.snapshot(),
         }
         if self.timeline.enabled and self._steps % 256 == 0 and self._steps:
             # O(1): a summary over 256 steps' spans (and resolving their events at once) stalled the loop for ms

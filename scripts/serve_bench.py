@@ -104,7 +104,8 @@ def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int
             wall = time.perf_counter() - start
             tokens = sum(len(o.token_ids) for o in outs)
             out[n] = dict(wall_s=round(wall, 3), tok_per_s=round(tokens / wall, 1))
-        out["gc"] = {k: v for k, v in engine.stats().items() if k.startswith("gc_")}
+        pauses = {k: v for k, v in engine.stats().items() if k.startswith("gc_")}
+        print(f"engine  gc={pauses}", flush=True)
     finally:
         engine.shutdown()
         del engine
@@ -151,7 +152,6 @@ def main(argv=None) -> int:
         stop_server(proc)
     engine = offline(parameters, waves, args.new_tokens)
     streamed = offline(parameters, waves, args.new_tokens, stream=True) if args.engine_stream else {}
-    print(f"engine  gc={engine['gc']}", flush=True)
     for n in levels:
         served[n]["engine_tok_per_s"] = engine[n]["tok_per_s"]
         served[n]["triton_vs_engine"] = round(served[n]["tok_per_s"] / engine[n]["tok_per_s"], 3)

@@ -166,21 +166,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out: a (rows, N) buffer with unit stride along N to write into (x 2-D), as torch_layers.linear takes.
     config None: the kernel's default shape (choose_config). tuned_linear uses the measured table instead.
     pdl: launch as a programmatic dependent of the previous kernel (triton_launch)."""
-    if not _kernel_takes(x, weight, out):
-        return torch_layers.linear(x, weight, bias, out)
-    return _launch(x, weight, bias, out, config, pdl)
-
-
-def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> bool:
-    """Whether the decode kernel runs this call: 1..MAX_ROWS rows of bf16/fp16 on CUDA (or the interpreter)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return not (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
-                or weight.dtype != x.dtype or not x.is_cuda and not _INTERPRET
-                or out is not None and out.stride(-1) != 1)
-
-
-def _launch(x, weight, bias, out, config, pdl: bool) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
+    if (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
+            or not x.is_cuda and not _INTERPRET or out is not None and out.stride(-1) != 1):
+        return torch_layers.linear(x, weight, bias, out)
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
