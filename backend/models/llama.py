@@ -49,7 +49,9 @@ class DecoderLayer(nn.Module):
             setattr(self, f.name, _param(getattr(w, f.name)))
 
     def forward(self, h, residual, positions, kv_layer, meta, model: "LlamaFamilyModel"):
-        """h, residual (T, H) -> (h, residual) after this layer; residual None on the first layer."""
+        """h, residual (T, H) -> (h, residual) after this layer; residual None on the first layer.
+
+        The h returned may be split-K partial sums (PartialSums): only add_rms_norm reads it."""
         ops, spec, eps = model.ops, model.spec, model.eps
         if residual is None:
             residual, x = h, ops.rms_norm(h, self.input_norm, eps)
@@ -65,10 +67,10 @@ class DecoderLayer(nn.Module):
             q, k = ops.rms_norm(q, self.q_norm, eps), ops.rms_norm(k, self.k_norm, eps)
         q = ops.rope_write_kv(q, k, v, positions, model.cos_sin_cache, kv_layer, meta.slot_mapping)
         attn = ops.paged_attention(q, None, None, kv_layer, meta, model.scale)  # (T, Hq, D); K/V from the cache
-        h = ops.linear(attn.reshape(t, -1), self.o_weight, self.o_bias)  # (T, H)
+        h = ops.linear_to_residual(attn.reshape(t, -1), self.o_weight, self.o_bias)  # (T, H) or its partial sums
         x, residual = ops.add_rms_norm(h, residual, self.post_norm, eps)
         gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)  # (T, 2 I)
-        h = ops.linear(ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)  # (T, H)
+        h = ops.linear_to_residual(ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)  # (T, H) or partials
         return h, residual
 
 

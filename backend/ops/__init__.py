@@ -26,11 +26,14 @@ class Ops:
     rope_write_kv: Callable  # rotary embedding + this step's K/V into the cache; returns the rotated q
     silu_and_mul: Callable
     linear: Callable  # (x, weight, bias=None, out=None): F.linear, optionally into a preallocated 2-D out
+    # (x, weight, bias=None): a linear whose output only feeds add_rms_norm (the residual stream); it may return
+    # split-K partials (PartialSums) for add_rms_norm to add up
+    linear_to_residual: Callable
     greedy_argmax: Callable  # (logits (N, V), out (N,) int64): each row's first maximum into out
 
 
 def _from_modules(name: str, attention: Callable, layers, linear: Callable = _torch_layers.linear,
-                  greedy_argmax: Callable = _torch_layers.greedy_argmax) -> Ops:
+                  greedy_argmax: Callable = _torch_layers.greedy_argmax, linear_to_residual: Callable | None = None) -> Ops:
     return Ops(
         name=name,
         paged_attention=attention,
@@ -39,6 +42,7 @@ def _from_modules(name: str, attention: Callable, layers, linear: Callable = _to
         rope_write_kv=layers.rope_write_kv,
         silu_and_mul=layers.silu_and_mul,
         linear=linear,
+        linear_to_residual=linear_to_residual or linear,
         greedy_argmax=greedy_argmax,
     )
 
@@ -74,8 +78,10 @@ def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
     layers = _BoundLayers(*(bind(getattr(triton_layers, f)) for f in _BoundLayers._fields))
     linear = {"auto": bind(triton_linear.tuned_linear), "triton": bind(triton_linear.linear),
               "cublas": _torch_layers.linear}[linear_backend]
+    parking = functools.partial(linear, park=True) if linear_backend == "auto" else linear
     name = "triton+pdl" if pdl else "triton"
-    return _from_modules(name, bind(triton_paged_attention), layers, linear, bind(triton_argmax.greedy_argmax))
+    return _from_modules(name, bind(triton_paged_attention), layers, linear, bind(triton_argmax.greedy_argmax),
+                         parking)
 
 
 class _BoundLayers(NamedTuple):

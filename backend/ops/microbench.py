@@ -226,11 +226,13 @@ LINEAR_SWEEP = ((32, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 4), (64, 128, 4, 
                 (256, 64, 8, 4, 4), (256, 64, 8, 4, 8))
 
 
-def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP, chain: int = 1, pdl: bool = False) -> list:
+def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP, chain: int = 1, pdl: bool = False,
+                 park: bool = False) -> list:
     """Each decode GEMM shape: cuBLAS, the kernel's own choice, and every config in `configs`; TB/s of W.
 
     chain > 1 times that many calls back to back in one graph; pdl launches the kernel as a programmatic
-    dependent (each call's start overlaps the previous call's end, as between the kernels of a step)."""
+    dependent (each call's start overlaps the previous call's end, as between the kernels of a step); park
+    leaves split-K partials unsummed, as when the next kernel (add_rms_norm) adds them."""
     from backend.ops import triton_linear as tlin
 
     out = []
@@ -242,7 +244,7 @@ def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP, chain
             x = torch.randn(rows, k, dtype=torch.bfloat16, device=_DEV)
 
             def kernel(cfg=None):
-                return tlin.linear(x, next(copies), config=cfg, pdl=pdl)
+                return tlin.linear(x, next(copies), config=cfg, pdl=pdl, park=park)
 
             def cublas():
                 return F.linear(x, next(copies))
@@ -276,6 +278,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,32,64", help="--linear: batch rows to time")
     ap.add_argument("--chain", type=int, default=1, help="--linear: calls back to back in one graph")
     ap.add_argument("--pdl", action="store_true", help="--linear: launch as programmatic dependents")
+    ap.add_argument("--park", action="store_true", help="--linear: split-K partials left for the next kernel to add")
     ap.add_argument("--no-weight-pass", action="store_true", help="--linear: skip the whole-model weight passes")
     args = ap.parse_args(argv)
     _require_cuda()
@@ -285,7 +288,7 @@ def main(argv=None) -> int:
 
         shapes = {name: LINEAR_SHAPES[name] for name in args.shapes.split(",")} if args.shapes else None
         results["linear_sweep"] = sweep_linear(tuple(int(r) for r in args.rows.split(",")), shapes,
-                                               chain=args.chain, pdl=args.pdl)
+                                               chain=args.chain, pdl=args.pdl, park=args.park)
         for batch in () if args.no_weight_pass else (1, 32, 64):
             for label, fn in (("cublas", F.linear), ("triton", tlin.linear), ("tuned", tlin.tuned_linear)):
                 results[f"weight_pass_b{batch}_{label}"] = r = bench_weight_pass(batch=batch, linear=fn)

@@ -9,7 +9,8 @@ try:
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
     raise ImportError("backend.ops.triton_layers needs the `triton` package") from exc
 
-from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
+from backend.ops.partial_sums import PartialSums  # noqa: E402  (after the guarded import)
+from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402
 
 __all__ = ["rms_norm", "add_rms_norm", "apply_rope", "rope_write_kv", "silu_and_mul"]
 
@@ -35,15 +36,22 @@ def _row_warps(block: int) -> int:
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, stride_part, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr,
 ):
     allow_dependents(PDL)
     dependent_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if PARTS:
+        # x arrives as a split-K GEMM's fp32 partials: added in split order and rounded once, as the GEMM would
+        xf = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(PARTS):
+            xf += tl.load(x_ptr + s * stride_part + row * stride_x + offs, mask=mask, other=0.0)
+        x = xf.to(sum_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         # rounded to the sum's dtype before the norm, as `hidden = hidden + residual` does in torch
@@ -66,26 +74,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = F
     out = _alloc((R, N), torch.promote_types(x.dtype, weight.dtype), x.device)
     if R:
         block = triton.next_power_of_2(N)
-        _rms_norm_kernel[(R,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, float(eps),
-                               N=N, BLOCK=block, HAS_RES=False, PDL=pdl, num_warps=_row_warps(block),
+        _rms_norm_kernel[(R,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, 0, float(eps),
+                               N=N, BLOCK=block, HAS_RES=False, PARTS=0, PDL=pdl, num_warps=_row_warps(block),
                                launch_pdl=pdl)
     return out.view(shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False):
-    """Fused residual add + RMSNorm: returns (rms_norm(x + residual), x + residual)."""
-    shape = x.shape
-    x2 = _rows(x)
+def add_rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 pdl: bool = False):
+    """Fused residual add + RMSNorm: returns (rms_norm(x + residual), x + residual).
+
+    x may be a GEMM's unsummed split-K partials (PartialSums, from triton_linear's park): added up here first."""
     r2 = _rows(residual)
-    R, N = x2.shape
-    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-    total = _alloc((R, N), sum_dtype, x.device)
-    out = _alloc((R, N), torch.promote_types(sum_dtype, weight.dtype), x.device)
+    shape = residual.shape
+    if isinstance(x, PartialSums):
+        if x.shape != r2.shape or x.dtype != residual.dtype:
+            raise ValueError(f"partial sums of shape {tuple(x.shape)} ({x.dtype}) do not match the residual "
+                             f"{tuple(r2.shape)} ({residual.dtype})")
+        x2, parts, x_dtype = x.parts, x.parts.shape[0], x.dtype
+    else:
+        shape = x.shape
+        x2, parts, x_dtype = _rows(x), 0, x.dtype
+    R, N = r2.shape
+    sum_dtype = torch.promote_types(x_dtype, residual.dtype)
+    total = _alloc((R, N), sum_dtype, residual.device)
+    out = _alloc((R, N), torch.promote_types(sum_dtype, weight.dtype), residual.device)
     if R:
         block = triton.next_power_of_2(N)
-        _rms_norm_kernel[(R,)](x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0),
-                               total.stride(0), float(eps), N=N, BLOCK=block, HAS_RES=True, PDL=pdl,
-                               num_warps=_row_warps(block), launch_pdl=pdl)
+        _rms_norm_kernel[(R,)](x2, r2, weight, out, total, x2.stride(-2), r2.stride(0), out.stride(0),
+                               total.stride(0), x2.stride(0) if parts else 0, float(eps), N=N, BLOCK=block,
+                               HAS_RES=True, PARTS=parts, PDL=pdl, num_warps=_row_warps(block), launch_pdl=pdl)
     return out.view(shape), total.view(shape)
 
 

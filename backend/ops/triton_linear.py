@@ -20,9 +20,10 @@ except ImportError as exc:  # the dispatcher catches this and keeps the plain-to
 
 from backend.ops import layers as torch_layers  # noqa: E402  (after the guarded triton import)
 from backend.ops.triton_attention import _sm_count  # noqa: E402
+from backend.ops.partial_sums import PartialSums  # noqa: E402
 from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402
 
-__all__ = ["linear", "tuned_linear", "LinearConfig", "choose_config", "H200_CONFIGS", "MAX_ROWS"]
+__all__ = ["linear", "tuned_linear", "LinearConfig", "choose_config", "H200_CONFIGS", "H200_PARKED_CONFIGS", "MAX_ROWS"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: CPU tensors may launch too
 MAX_ROWS = 64  # above this many rows cuBLAS's tiles reuse each weight load enough; F.linear takes over
@@ -56,7 +57,7 @@ def _bias_and_store(acc, b_ptr, y_ptr, offs_n, offs_m, n_mask, out_mask, stride_
 def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, PARK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -83,7 +84,11 @@ def _skinny_linear_kernel(
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
     out_mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K > 1:
+    if PARK:
+        # Each split leaves its fp32 partial at part[split] (SPLIT_K, M, N); the next kernel, which reads y
+        # anyway, adds them in split order, row by row in parallel (PartialSums).
+        tl.store(part_ptr + split * (M * N).to(tl.int64) + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
+    elif SPLIT_K > 1:
         # Serial split-K in one launch: each split parks its fp32 partial, then counts itself in on the slice's
         # counter; the split that arrives last adds all partials, writes y and resets the counter for the next
         # launch. why the barrier: every thread's partial store must be done before one thread's release-atomic.
@@ -139,6 +144,21 @@ H200_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
     (2048, 8192, 64): LinearConfig(64, 128, 4, 4, split_k=4),
 }
 
+# Where the output feeds add_rms_norm, which adds parked split-K partials itself: o and down. Timed as 8 dependent
+# launches in a row (`--linear --park --chain 8 --pdl`), TB/s of W, against the best of cuBLAS and the unsplit
+# kernel in the same run: 1B at 64 rows o 1.93 (1.32), down 3.17 (2.57 with the split-K sum in the GEMM);
+# 8B at 16 / 32 / 64 rows o 3.49 / 3.28 / 3.21 (3.07 / 3.01 / 2.77), down 4.08 / 3.95 / 3.77 (3.78 / 3.68 / 3.25).
+H200_PARKED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
+    (2048, 2048, 64): LinearConfig(64, 128, 4, 4, split_k=4),
+    (2048, 8192, 64): LinearConfig(64, 128, 4, 4, split_k=4),
+    (4096, 4096, 16): LinearConfig(64, 128, 4, 6, split_k=2),
+    (4096, 4096, 32): LinearConfig(64, 128, 4, 6, split_k=2),
+    (4096, 4096, 64): LinearConfig(64, 128, 4, 4, split_k=2),
+    (4096, 14336, 16): LinearConfig(64, 128, 4, 6, split_k=2),
+    (4096, 14336, 32): LinearConfig(64, 128, 4, 6, split_k=2),
+    (4096, 14336, 64): LinearConfig(64, 128, 4, 4, split_k=2),
+}
+
 
 @functools.lru_cache(maxsize=None)
 def _capability(device_index: int) -> tuple[int, int]:
@@ -160,12 +180,14 @@ def _stages(cfg: LinearConfig, block_m: int, itemsize: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           config: LinearConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
+           config: LinearConfig | None = None, *, pdl: bool = False, park: bool = False) -> torch.Tensor | PartialSums:
     """F.linear(x, weight, bias); rows ≤ MAX_ROWS of bf16/fp16 go through the decode kernel, the rest to cuBLAS.
 
     out: a (rows, N) buffer with unit stride along N to write into (x 2-D), as torch_layers.linear takes.
     config None: the kernel's default shape (choose_config). tuned_linear uses the measured table instead.
-    pdl: launch as a programmatic dependent of the previous kernel (triton_launch)."""
+    pdl: launch as a programmatic dependent of the previous kernel (triton_launch).
+    park: a split-K launch without bias or out returns its partials unsummed (PartialSums), for a caller whose
+    next kernel adds them (triton_layers.add_rms_norm); any other launch returns y as usual."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
             or not x.is_cuda and not _INTERPRET or out is not None and out.stride(-1) != 1):
@@ -178,20 +200,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cfg = config or choose_config(n, k, _sm_count(x.device) if x.is_cuda else 132)  # 132: the H200's SMs
     if out is not None and (x.dim() != 2 or out.shape != (rows, n) or out.dtype != x.dtype):
         raise ValueError(f"out must be ({rows}, {n}) {x.dtype} for 2-D x, got {tuple(out.shape)} {out.dtype}")
-    y = out if out is not None else _alloc((rows, n), x.dtype, x.device)
     block_m = _block_m(rows)
     tiles = triton.cdiv(n, cfg.block_n)
-    if cfg.split_k > 1:
+    parked = None
+    if park and cfg.split_k > 1 and bias is None and out is None:
+        parked = y = parts = counts = _alloc((cfg.split_k, rows, n), torch.float32, x.device)  # y, counts unused
+    elif cfg.split_k > 1:
+        y = out if out is not None else _alloc((rows, n), x.dtype, x.device)
         parts = _alloc((cfg.split_k, tiles, cfg.block_n, block_m), torch.float32, x.device)
         counts = _split_counters(x.device, tiles)
     else:
-        parts = counts = y  # unused
+        y = parts = counts = out if out is not None else _alloc((rows, n), x.dtype, x.device)  # parts unused
     _skinny_linear_kernel[(tiles, cfg.split_k)](
         x2, w, bias if bias is not None else w, y, parts, counts, rows, n, k, x2.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PDL=pdl,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PDL=pdl, PARK=parked is not None,
         num_warps=cfg.num_warps, num_stages=_stages(cfg, block_m, x.element_size()), launch_pdl=pdl,
     )
+    if parked is not None:
+        return PartialSums(parked, x.dtype)
     return y.view(*x.shape[:-1], n)
 
 
@@ -219,11 +246,17 @@ def _block_m(rows: int) -> int:
 
 
 def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, *, pdl: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias) through the kernel where H200_CONFIGS lists the shape on this GPU, else cuBLAS."""
+                 out: torch.Tensor | None = None, *, pdl: bool = False, park: bool = False) -> torch.Tensor | PartialSums:
+    """F.linear(x, weight, bias) through the kernel where H200_CONFIGS lists the shape on this GPU, else cuBLAS.
+
+    park: the caller's next kernel can add split-K partials (linear's park); H200_PARKED_CONFIGS comes first."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if 0 < rows <= MAX_ROWS and x.is_cuda and _is_h200_class(x.device):
-        config = H200_CONFIGS.get((weight.shape[0], weight.shape[1], _block_m(rows)))
+        key = (weight.shape[0], weight.shape[1], _block_m(rows))
+        config = H200_PARKED_CONFIGS.get(key) if park and bias is None and out is None else None
+        if config is not None:
+            return linear(x, weight, None, None, config=config, pdl=pdl, park=True)
+        config = H200_CONFIGS.get(key)
         if config is not None:
             return linear(x, weight, bias, out, config=config, pdl=pdl)
     return torch_layers.linear(x, weight, bias, out)

@@ -32,6 +32,7 @@ from backend.ops import triton_argmax as targ  # noqa: E402
 from backend.ops import triton_attention as ta  # noqa: E402
 from backend.ops import triton_layers as tly  # noqa: E402
 from backend.ops import triton_linear as tlin  # noqa: E402
+from backend.ops.partial_sums import PartialSums  # noqa: E402
 
 DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cuda")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -507,18 +508,29 @@ def test_linear_choose_config_fills_the_gpu():
 def test_tuned_linear_uses_the_table_only_on_its_gpu(monkeypatch):
     """Listed shapes on a 9.0 GPU launch the listed config; unlisted shapes and other GPUs go to cuBLAS."""
     launched = []
-    monkeypatch.setattr(tlin, "linear",
-                        lambda x, w, b=None, out=None, config=None, pdl=False: launched.append(config) or "kernel")
+    monkeypatch.setattr(tlin, "linear", lambda x, w, b=None, out=None, config=None, pdl=False, park=False:
+                        launched.append((config, park)) or "kernel")
     monkeypatch.setattr(tlin.torch_layers, "linear", lambda x, w, b=None, out=None: "cublas")
     x = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=(32, 4096),
                               numel=lambda: 32 * 4096)
     listed = types.SimpleNamespace(shape=(6144, 4096))
     unlisted = types.SimpleNamespace(shape=(4096, 14336))
     monkeypatch.setattr(tlin, "_capability", lambda index: (9, 0))
-    assert tlin.tuned_linear(x, listed) == "kernel" and launched == [tlin.H200_CONFIGS[(6144, 4096, 32)]]
+    assert tlin.tuned_linear(x, listed) == "kernel" and launched == [(tlin.H200_CONFIGS[(6144, 4096, 32)], False)]
     assert tlin.tuned_linear(x, unlisted) == "cublas"
+    # park: the parked table first (its shapes at 64 rows), the plain table and cuBLAS otherwise
+    x64 = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=(64, 2048),
+                                numel=lambda: 64 * 2048)
+    o_proj, qkv = types.SimpleNamespace(shape=(2048, 2048)), types.SimpleNamespace(shape=(3072, 2048))
+    launched.clear()
+    assert tlin.tuned_linear(x64, o_proj, park=True) == "kernel"
+    assert tlin.tuned_linear(x64, o_proj) == "cublas"
+    assert tlin.tuned_linear(x64, o_proj, torch.zeros(2048), park=True) == "cublas"  # bias: not parked
+    assert tlin.tuned_linear(x64, qkv, park=True) == "cublas"
+    assert launched == [(tlin.H200_PARKED_CONFIGS[(2048, 2048, 64)], True)]
     monkeypatch.setattr(tlin, "_capability", lambda index: (8, 0))
     assert tlin.tuned_linear(x, listed) == "cublas"
+    assert tlin.tuned_linear(x64, o_proj, park=True) == "cublas"
 
 
 @pytest.mark.parametrize("config", [None, tlin.LinearConfig(64, 128, 4, 3)], ids=["auto", "n64"])
@@ -608,6 +620,53 @@ def test_linear_split_k_is_repeatable(split_k):
     assert int(counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_partial_sums_in_split_order(dtype):
+    """Partial sums given as x: add_rms_norm equals adding them in split order in fp32, rounding once to the
+    GEMM's dtype, then the plain add_rms_norm."""
+    g = torch.Generator().manual_seed(11)
+    parts = torch.randn(3, 7, 384, generator=g).to(DEVICE)
+    r = torch.randn(7, 384, generator=g).to(dtype).to(DEVICE)
+    norm_w = (torch.rand(384, generator=g) + 0.5).to(dtype).to(DEVICE)
+    summed = ((parts[0] + parts[1]) + parts[2]).to(dtype)
+    got = tly.add_rms_norm(PartialSums(parts, dtype), r, norm_w, 1e-5)
+    want = tly.add_rms_norm(summed, r, norm_w, 1e-5)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape == (7, 384)
+        if dtype == torch.float32 or EXACT_BF16:
+            assert torch.equal(a, b)
+        else:
+            assert rel_err(a, b.double()) < 2e-2
+
+
+@pytest.mark.parametrize("rows,split_k", [(5, 2), (64, 4)])
+def test_parked_split_k_through_add_rms_norm_equals_the_summed_split_k(rows, split_k):
+    """A parked split-K GEMM (partials left unsummed) fed to add_rms_norm gives the same bits as the GEMM that adds
+    its partials itself fed to add_rms_norm: both add them in split order and round once."""
+    g = torch.Generator().manual_seed(rows)
+    hidden, k = 320, 512
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(hidden, k, generator=g) * k ** -0.5).to(torch.bfloat16).to(DEVICE)
+    r = torch.randn(rows, hidden, generator=g).to(torch.bfloat16).to(DEVICE)
+    norm_w = (torch.rand(hidden, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    cfg = tlin.LinearConfig(32, 64, 4, 2, split_k=split_k)
+    parked = tlin.linear(x, w, config=cfg, park=True)
+    assert isinstance(parked, PartialSums) and parked.parts.shape == (split_k, rows, hidden)
+    assert parked.shape == (rows, hidden) and parked.dtype == torch.bfloat16
+    summed = tlin.linear(x, w, config=cfg)
+    for got, want in zip(tly.add_rms_norm(parked, r, norm_w, 1e-5), tly.add_rms_norm(summed, r, norm_w, 1e-5)):
+        assert torch.equal(got, want)
+    # nothing to park: no split, a bias, or an out buffer give y itself
+    assert isinstance(tlin.linear(x, w, config=tlin.LinearConfig(32, 64), park=True), torch.Tensor)
+    assert torch.equal(tlin.linear(x, w, torch.zeros(hidden, dtype=torch.bfloat16, device=DEVICE), config=cfg,
+                                   park=True), summed)
+    out = torch.empty(rows, hidden, dtype=torch.bfloat16, device=DEVICE)
+    got = tlin.linear(x, w, out=out, config=cfg, park=True)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, summed)
+    with pytest.raises(ValueError, match="do not match the residual"):
+        tly.add_rms_norm(parked, r[:, :64], norm_w[:64], 1e-5)
+
+
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
 def test_linear_split_k_in_a_cuda_graph():
     """Captured after a warm-up call (which allocates the counters), replays compute fresh inputs correctly."""
@@ -656,7 +715,7 @@ def test_dependent_launch_chain_in_a_cuda_graph_equals_plain_launches():
         q = tly.rope_write_kv(q.view(4, 8, 64), k.view(4, 2, 64), v.view(4, 2, 64), positions, cos_sin,
                               case.cache, case.meta.slot_mapping, pdl=pdl)
         attn = ta.decode_attention(q, case.cache, case.meta, 0.125, num_splits=3, pdl=pdl)
-        h = tlin.linear(attn.reshape(4, -1), w_o, pdl=pdl)
+        h = tlin.linear(attn.reshape(4, -1), w_o, config=cfg_split, pdl=pdl, park=True)  # partials for the norm
         x, res = tly.add_rms_norm(h, res, norm_w, 1e-5, pdl=pdl)
         gu = tlin.linear(x, w_gu, config=tlin.LinearConfig(64, 128, 4, 3), pdl=pdl)
         out = tlin.linear(tly.silu_and_mul(gu, pdl=pdl), w_down, config=cfg_split, pdl=pdl)
