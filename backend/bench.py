@@ -73,13 +73,7 @@ def build_engine(wl: Workload, async_pipeline: bool, args) -> Engine:
         parsed = EngineConfig.from_dict(given)
         settings.update({k: getattr(parsed, k) for k in given})
     if wl.model == "stand-in":
-        from .models.random_model import byte_tokenizer
-        from .standin import StandInModel
-
         torch.set_num_threads(1)  # why: the stand-in's tiny CPU ops only pay thread start-up with more
-
-        settings["model"] = "stand-in"
-        return Engine(EngineConfig(**settings), model=StandInModel(), tokenizer=byte_tokenizer())
     return Engine(EngineConfig(**settings))
 
 

@@ -12,7 +12,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 class EngineConfig:
     """Settings of one engine; call `validate()` (the Engine does) before use."""
 
-    model: str = DEFAULT_MODEL  # local checkpoint folder (config.json + safetensors) or the built-in alias
+    model: str = DEFAULT_MODEL  # local checkpoint folder (config.json + safetensors), the built-in alias,
+    # random:<shape> (random weights, benchmarks) or stand-in (instant tokens: times the engine's or server's own work)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16  # tokens per KV block

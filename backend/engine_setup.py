@@ -53,6 +53,9 @@ def device_scope(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+STAND_IN = "stand-in"  # model setting: StandInModel (instant tokens), to time the engine's or a server's own work
+
+
 def build_engine_parts(config: EngineConfig, model=None, tokenizer=None) -> EngineParts:
     """Load what config names; a ready model and tokenizer may be given instead (tests, benchmarks)."""
     device = resolve_device(config.device)
@@ -68,7 +71,12 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     path = "<given model>"
-    if model is None:
+    if model is None and config.model == STAND_IN:
+        from .models.random_model import byte_tokenizer
+        from .standin import StandInModel
+
+        path, model, tokenizer = STAND_IN, StandInModel(device=device), byte_tokenizer()
+    elif model is None:
         from transformers import AutoTokenizer
 
         path = resolve_model_path(config.model, config.cache_dir)
