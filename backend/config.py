@@ -28,6 +28,8 @@ class EngineConfig:
     async_pipeline: bool | None = None  # None: on where CUDA is present
     cuda_graphs: bool = True  # decode steps replay captured graphs on CUDA
     gc_freeze: bool = True  # after start-up, Python's garbage collector stops walking the objects alive then
+    # objects allocated between two young-generation collections while the engine runs; 0 keeps Python's (700)
+    gc_young_threshold: int = 50_000
     loop_gate: bool = True  # CUDA: output/sender threads do their Python while the loop waits (loop_gate.py)
     max_graph_batch_size: int = 256  # largest decode batch with a captured graph
     steady_decode: bool = True  # runs of identical decode steps are scheduled, packed and read as arrays
@@ -85,6 +87,10 @@ class EngineConfig:
             raise ValueError(f"linear_backend must be auto, triton or cublas, got {self.linear_backend!r}")
         if self.dependent_launch not in ("auto", "on", "off"):
             raise ValueError(f"dependent_launch must be auto, on or off, got {self.dependent_launch!r}")
+        if not isinstance(self.gc_young_threshold, int) or isinstance(self.gc_young_threshold, bool) \
+                or self.gc_young_threshold < 0:
+            raise ValueError(f"gc_young_threshold must be an integer >= 0 (0: Python's own), got "
+                             f"{self.gc_young_threshold!r}")
         _positive("max_stop_strings", self.max_stop_strings)
         _positive("max_stop_string_length", self.max_stop_string_length)
         if not isinstance(self.test_fault_every_n_steps, int) or self.test_fault_every_n_steps < 0:

@@ -301,6 +301,7 @@ def test_unknown_sampling_key_rejected():
     (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction"), (dict(attention_backend="x"), "attention"),
     (dict(linear_backend="cutlass"), "linear_backend must be auto, triton or cublas"),
     (dict(dependent_launch="yes"), "dependent_launch must be auto, on or off"),
+    (dict(gc_young_threshold=-1), "gc_young_threshold must be an integer >= 0"),
 ])
 def test_bad_config(settings, match):
     with pytest.raises(ValueError, match=match):
@@ -321,8 +322,10 @@ def test_dependent_launch_is_on_only_for_the_triton_path_on_a_gpu():
 
 
 def test_config_from_strings_and_unknown_keys():
-    cfg = EngineConfig.from_dict({"max_num_seqs": "8", "async_pipeline": "false", "num_kv_blocks": "none"})
+    cfg = EngineConfig.from_dict({"max_num_seqs": "8", "async_pipeline": "false", "num_kv_blocks": "none",
+                                  "gc_young_threshold": "0"})
     assert cfg.max_num_seqs == 8 and cfg.async_pipeline is False and cfg.num_kv_blocks is None
+    assert cfg.gc_young_threshold == 0
     with pytest.raises(ValueError, match="unknown engine setting"):
         EngineConfig.from_dict({"max_seqs": "8"})
     with pytest.raises(ValueError, match="integer"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.gc_pauses import GcPauses
+from backend.gc_pauses import GcPauses, restore_thresholds, set_young_threshold
 from tests.tiny_models import build_tiny
 
 
@@ -25,21 +25,34 @@ def test_pauses_are_counted_per_generation():
 
 def test_engine_freezes_the_heap_while_it_runs(tmp_path):
     """gc_freeze (default): the objects alive at start-up are frozen while the engine runs, and thawed at its
-    shutdown, so a stopped engine's reference cycles can be collected. The stats carry the pauses."""
+    shutdown, so a stopped engine's reference cycles can be collected; the young generation's threshold is the
+    engine's while it runs and Python's again after. The stats carry the pauses."""
     path = build_tiny("llama", str(tmp_path))
+    before = gc.get_threshold()
     engine = Engine(EngineConfig(model=path, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64))
     try:
         assert gc.get_freeze_count() > 1000
+        assert gc.get_threshold()[0] == 50_000  # gc_young_threshold's default, while the engine runs
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
         assert {"gc_collections", "gc_pause_s", "gc_longest_pause_ms"} <= set(engine.stats())
         gc.collect(0)
         assert engine.gc_pauses.snapshot()["gc_collections"][0] >= 1
     finally:
         engine.shutdown()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
     engine = Engine(EngineConfig(model=path, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
-                                 gc_freeze=False))
+                                 gc_freeze=False, gc_young_threshold=0))
     try:
-        assert gc.get_freeze_count() == 0
+        assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
     finally:
         engine.shutdown()
+
+
+def test_young_threshold_is_set_and_restored():
+    before = gc.get_threshold()
+    previous = set_young_threshold(12_345)
+    try:
+        assert previous == before and gc.get_threshold() == (12_345, *before[1:])
+    finally:
+        restore_thresholds(previous)
+    assert gc.get_threshold() == before
