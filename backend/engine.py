@@ -13,7 +13,7 @@ import torch
 
 from .config import EngineConfig
 from .engine_setup import EngineParts, build_engine_parts, device_scope
-from .gc_pauses import GcPauses, freeze_heap, restore_thresholds, set_young_threshold, thaw_heap
+from .gc_pauses import GcPauses, GcSettings
 from .loop_gate import LoopGate
 from .outputs import OutputProcessor, RequestStream, StepEvent
 from .request import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request, RequestOutput, \
@@ -70,11 +70,9 @@ class Engine:
         # why: the loop thread hands the GIL back and forth with the output and sender threads; a short switch
         # interval keeps it from waiting up to 5 ms (Python's default) to get the GIL back after each CUDA wait
         sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
-        if self.config.gc_freeze:
-            freeze_heap()  # why: collections stall the loop; they need not walk the model's start-up objects
-        # why: per-token objects die young if the young generation is collected less often (gc_pauses.py)
-        self._gc_thresholds = (set_young_threshold(self.config.gc_young_threshold)
-                               if self.config.gc_young_threshold else None)
+        # why: collections stall the loop; they need not walk the model's start-up objects (gc_freeze), and
+        # per-token objects die young if the young generation is collected less often (gc_young_threshold)
+        GcSettings.engine_started(self.config.gc_freeze, self.config.gc_young_threshold)
         self.gc_pauses = GcPauses()  # counted from here: the freeze's own collection is start-up
         self.gate = LoopGate(enabled=self.device.type == "cuda" and self.config.loop_gate)
         self.outputs = OutputProcessor(self.tokenizer, self._on_stop_string, self._release_id, self.gate)
@@ -178,10 +176,8 @@ class Engine:
         self._thread.join(timeout)
         self.outputs.close()
         self.gc_pauses.close()
-        if self.config.gc_freeze:
-            thaw_heap()  # why: this engine's objects were frozen too; frozen cycles (and their tensors) never free
-        if self._gc_thresholds is not None:
-            restore_thresholds(self._gc_thresholds)
+        # why: this engine's objects were frozen too; frozen cycles (and their tensors) never free
+        GcSettings.engine_stopped(self.config.gc_freeze, self.config.gc_young_threshold)
         if not self._thread.is_alive():
             self.runner.release()
             self.parts.model = None

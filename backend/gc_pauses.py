@@ -2,17 +2,19 @@
 
 A collection holds the GIL: while it runs, the engine loop cannot launch the next step. A full collection walks
 every tracked object of the process, and a served model's process holds millions of them (torch, transformers,
-the model's modules), while the output and sender threads create a few objects per token. `freeze_heap` moves
-everything alive after start-up to the permanent generation, so collections only walk what was made since;
-`thaw_heap` gives it back when the engine stops, or its frozen reference cycles (CUDA tensors among them) would
+the model's modules), while the output and sender threads create a few objects per token. Freezing the heap
+(gc.freeze) after start-up moves everything alive then to the permanent generation, so collections only walk what
+was made since; it is thawed when the engine stops, or its frozen reference cycles (CUDA tensors among them) would
 never be freed.
 
 Python collects its young generation every 700 new tracked objects by default. A served model makes a few per
 token (outputs, responses), and at 256 streams many of them are still queued when a collection comes, so they
 survive into the older generations, whose collections then walk them again and again: on the CPU machine, the
-stand-in model served at 256 streams spent 0.53-0.60 s of a 3 s run in collections (longest 29-44 ms).
-`set_young_threshold` collects the young generation less often, after most of those objects have died
-(0.03-0.05 s, longest 18-21 ms at 50,000).
+stand-in model served at 256 streams spent 0.53-0.60 s of a 3 s run in collections (longest 29-44 ms). A higher
+young threshold collects after most of those objects have died (0.03-0.05 s, longest 18-21 ms at 50,000).
+
+Both settings are process-wide, so `GcSettings` counts the engines that asked for them: each engine's start
+freezes what is alive then, and the heap is thawed and the threshold restored when the last of them stops.
 """
 from __future__ import annotations
 
@@ -20,31 +22,45 @@ import gc
 import threading
 import time
 
-__all__ = ["GcPauses", "freeze_heap", "thaw_heap", "set_young_threshold", "restore_thresholds"]
+__all__ = ["GcPauses", "GcSettings"]
 
 
-def freeze_heap() -> None:
-    """Collect once, then exempt every object alive now from later collections (gc.freeze)."""
-    gc.collect()
-    gc.freeze()
+class GcSettings:
+    """The collector settings of the engines running in this process: frozen heap, young threshold."""
 
+    _lock = threading.Lock()
+    _freezers = 0  # running engines that froze the heap
+    _young_holders = 0  # running engines that set the young threshold
+    _saved_threshold: tuple[int, int, int] | None = None  # Python's thresholds before the first of them
 
-def thaw_heap() -> None:
-    """Undo freeze_heap (process-wide): frozen objects are collectable again, e.g. a stopped engine's cycles."""
-    gc.unfreeze()
+    @classmethod
+    def engine_started(cls, freeze: bool, young_threshold: int) -> None:
+        """freeze: collect once, then exempt every object alive now from later collections. young_threshold > 0:
+        collect the young generation every that many new tracked objects (the first engine's value holds)."""
+        with cls._lock:
+            if freeze:
+                gc.collect()
+                gc.freeze()
+                cls._freezers += 1
+            if young_threshold:
+                if cls._young_holders == 0:
+                    cls._saved_threshold = gc.get_threshold()
+                    gc.set_threshold(young_threshold, *cls._saved_threshold[1:])
+                cls._young_holders += 1
 
-
-def set_young_threshold(young: int) -> tuple[int, int, int]:
-    """Collect the young generation every `young` new tracked objects (process-wide); returns the thresholds
-    before, for gc.set_threshold(*before) to restore."""
-    before = gc.get_threshold()
-    gc.set_threshold(young, *before[1:])
-    return before
-
-
-def restore_thresholds(before: tuple[int, int, int]) -> None:
-    """Undo set_young_threshold (process-wide)."""
-    gc.set_threshold(*before)
+    @classmethod
+    def engine_stopped(cls, freeze: bool, young_threshold: int) -> None:
+        """Undo engine_started with the same arguments; the last engine out thaws and restores."""
+        with cls._lock:
+            if freeze:
+                cls._freezers -= 1
+                if cls._freezers == 0:
+                    gc.unfreeze()
+            if young_threshold:
+                cls._young_holders -= 1
+                if cls._young_holders == 0 and cls._saved_threshold is not None:
+                    gc.set_threshold(*cls._saved_threshold)
+                    cls._saved_threshold = None
 
 
 class GcPauses:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.gc_pauses import GcPauses, restore_thresholds, set_young_threshold
+from backend.gc_pauses import GcPauses, GcSettings
 from tests.tiny_models import build_tiny
 
 
@@ -48,11 +48,16 @@ def test_engine_freezes_the_heap_while_it_runs(tmp_path):
         engine.shutdown()
 
 
-def test_young_threshold_is_set_and_restored():
+def test_settings_hold_until_the_last_engine_stops():
+    """Two engines in one process: the first to stop neither thaws the other's frozen heap nor restores the
+    threshold under it; the last one out does both."""
     before = gc.get_threshold()
-    previous = set_young_threshold(12_345)
+    GcSettings.engine_started(True, 12_345)
+    GcSettings.engine_started(True, 50_000)  # freezes its own start-up objects too; the first threshold holds
     try:
-        assert previous == before and gc.get_threshold() == (12_345, *before[1:])
+        assert gc.get_threshold() == (12_345, *before[1:]) and gc.get_freeze_count() > 0
+        GcSettings.engine_stopped(True, 12_345)
+        assert gc.get_threshold() == (12_345, *before[1:]) and gc.get_freeze_count() > 0
     finally:
-        restore_thresholds(previous)
-    assert gc.get_threshold() == before
+        GcSettings.engine_stopped(True, 50_000)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
