@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import Engine, EngineConfig, SamplingParams
+from .engine_setup import STAND_IN
 
 COPY_BANDWIDTH = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (DESIGN.md §5)
 
@@ -40,11 +41,11 @@ class Workload:
 WORKLOADS = {
     "cpu-tiny": Workload("random:tiny", [8], (16, 64), 64, device="cpu",
                          engine=dict(num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=256)),
-    "cpu-overhead": Workload("stand-in", [64, 256], (128, 128), 512, device="cpu",
+    "cpu-overhead": Workload(STAND_IN, [64, 256], (128, 128), 512, device="cpu",
                              engine=dict(num_kv_blocks=256 * 41, max_num_seqs=256, max_num_batched_tokens=4096)),
-    "cpu-churn": Workload("stand-in", [64, 256], (128, 128), 512, device="cpu", length_spread=384,
+    "cpu-churn": Workload(STAND_IN, [64, 256], (128, 128), 512, device="cpu", length_spread=384,
                           engine=dict(num_kv_blocks=256 * 41, max_num_seqs=256, max_num_batched_tokens=4096)),
-    "cpu-queue": Workload("stand-in", [512], (128, 128), 512, device="cpu", length_spread=384,
+    "cpu-queue": Workload(STAND_IN, [512], (128, 128), 512, device="cpu", length_spread=384,
                           engine=dict(num_kv_blocks=256 * 41, max_num_seqs=256, max_num_batched_tokens=4096)),
     "blog-quick": Workload("random:llama-3-8b", [32], (128, 128), 2048,
                            engine=dict(max_num_seqs=32, max_num_batched_tokens=4096)),
@@ -72,7 +73,7 @@ def build_engine(wl: Workload, async_pipeline: bool, args) -> Engine:
         given = dict(item.split("=", 1) for item in args.set)
         parsed = EngineConfig.from_dict(given)
         settings.update({k: getattr(parsed, k) for k in given})
-    if wl.model == "stand-in":
+    if wl.model == STAND_IN:
         torch.set_num_threads(1)  # why: the stand-in's tiny CPU ops only pay thread start-up with more
     return Engine(EngineConfig(**settings))
 
@@ -101,7 +102,7 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
                       gpu_busy=round(summary["gpu_busy_fraction"], 4),
                       cpu_us_per_step=round(summary["cpu_us_per_step"], 1), steps=summary["steps"],
                       preemptions=engine.stats()["preemptions"], cpu_us_by_phase=summary["cpu_us_by_phase"])
-        if wl.model == "stand-in":
+        if wl.model == STAND_IN:
             from .standin import expected_tokens
 
             result["all_tokens_exact"] = all(o.token_ids == expected_tokens(p, wl.max_tokens(i), vocab)

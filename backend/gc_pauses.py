@@ -31,7 +31,7 @@ class GcSettings:
     _lock = threading.Lock()
     _freezers = 0  # running engines that froze the heap
     _young_holders = 0  # running engines that set the young threshold
-    _saved_threshold: tuple[int, int, int] | None = None  # Python's thresholds before the first of them
+    _saved_threshold: tuple[int, int, int] = gc.get_threshold()  # Python's, before the first holder set its own
 
     @classmethod
     def engine_started(cls, freeze: bool, young_threshold: int) -> None:
@@ -58,9 +58,8 @@ class GcSettings:
                     gc.unfreeze()
             if young_threshold:
                 cls._young_holders -= 1
-                if cls._young_holders == 0 and cls._saved_threshold is not None:
+                if cls._young_holders == 0:
                     gc.set_threshold(*cls._saved_threshold)
-                    cls._saved_threshold = None
 
 
 class GcPauses:

@@ -86,17 +86,15 @@ def add_rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: 
 
     x may be a GEMM's unsummed split-K partials (PartialSums, from triton_linear's park): added up here first."""
     r2 = _rows(residual)
-    shape = residual.shape
     if isinstance(x, PartialSums):
         if x.shape != r2.shape or x.dtype != residual.dtype:
             raise ValueError(f"partial sums of shape {tuple(x.shape)} ({x.dtype}) do not match the residual "
                              f"{tuple(r2.shape)} ({residual.dtype})")
-        x2, parts, x_dtype = x.parts, x.parts.shape[0], x.dtype
+        shape, x2, parts = residual.shape, x.parts, x.parts.shape[0]
     else:
-        shape = x.shape
-        x2, parts, x_dtype = _rows(x), 0, x.dtype
+        shape, x2, parts = x.shape, _rows(x), 0
     R, N = r2.shape
-    sum_dtype = torch.promote_types(x_dtype, residual.dtype)
+    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
     total = _alloc((R, N), sum_dtype, residual.device)
     out = _alloc((R, N), torch.promote_types(sum_dtype, weight.dtype), residual.device)
     if R:
