@@ -26,14 +26,20 @@ class Ops:
     rope_write_kv: Callable  # rotary embedding + this step's K/V into the cache; returns the rotated q
     silu_and_mul: Callable
     linear: Callable  # (x, weight, bias=None, out=None): F.linear, optionally into a preallocated 2-D out
-    # (x, weight, bias=None): a linear whose output only feeds add_rms_norm (the residual stream); it may return
-    # split-K partials (PartialSums) for add_rms_norm to add up
-    linear_to_residual: Callable
+    # (x, weight, bias=None): a linear whose output only feeds add_rms_norm or rope_write_kv, which read it anyway;
+    # it may return split-K partials (PartialSums) for that kernel to add up
+    linear_parked: Callable
+    # (x, gate_up_weight, bias=None): silu_and_mul(linear(x, gate_up_weight, bias)), in one kernel where it can
+    linear_silu_and_mul: Callable
     greedy_argmax: Callable  # (logits (N, V), out (N,) int64): each row's first maximum into out
 
 
 def _from_modules(name: str, attention: Callable, layers, linear: Callable = _torch_layers.linear,
-                  greedy_argmax: Callable = _torch_layers.greedy_argmax, linear_to_residual: Callable | None = None) -> Ops:
+                  greedy_argmax: Callable = _torch_layers.greedy_argmax, linear_parked: Callable | None = None,
+                  linear_silu_and_mul: Callable | None = None) -> Ops:
+    def unfused_linear_silu_and_mul(x, gate_up_weight, bias=None):
+        return layers.silu_and_mul(linear(x, gate_up_weight, bias))
+
     return Ops(
         name=name,
         paged_attention=attention,
@@ -42,7 +48,8 @@ def _from_modules(name: str, attention: Callable, layers, linear: Callable = _to
         rope_write_kv=layers.rope_write_kv,
         silu_and_mul=layers.silu_and_mul,
         linear=linear,
-        linear_to_residual=linear_to_residual or linear,
+        linear_parked=linear_parked or linear,
+        linear_silu_and_mul=linear_silu_and_mul or unfused_linear_silu_and_mul,
         greedy_argmax=greedy_argmax,
     )
 
@@ -79,9 +86,11 @@ def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
     linear = {"auto": bind(triton_linear.tuned_linear), "triton": bind(triton_linear.linear),
               "cublas": _torch_layers.linear}[linear_backend]
     parking = functools.partial(linear, park=True) if linear_backend == "auto" else linear
+    gated = {"auto": bind(triton_linear.tuned_linear_silu_and_mul),
+             "triton": bind(triton_linear.linear_silu_and_mul), "cublas": None}[linear_backend]
     name = "triton+pdl" if pdl else "triton"
     return _from_modules(name, bind(triton_paged_attention), layers, linear, bind(triton_argmax.greedy_argmax),
-                         parking)
+                         parking, gated)
 
 
 class _BoundLayers(NamedTuple):

@@ -227,12 +227,15 @@ LINEAR_SWEEP = ((32, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 4), (64, 128, 4, 
 
 
 def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP, chain: int = 1, pdl: bool = False,
-                 park: bool = False) -> list:
+                 park: bool = False, gated: bool = False) -> list:
     """Each decode GEMM shape: cuBLAS, the kernel's own choice, and every config in `configs`; TB/s of W.
 
     chain > 1 times that many calls back to back in one graph; pdl launches the kernel as a programmatic
     dependent (each call's start overlaps the previous call's end, as between the kernels of a step); park
-    leaves split-K partials unsummed, as when the next kernel (add_rms_norm) adds them."""
+    leaves split-K partials unsummed, as when the next kernel (add_rms_norm) adds them; gated times W as a
+    [gate; up] weight with SiLU-and-mul: the fused kernel (linear_silu_and_mul) for every config, against cuBLAS
+    and the table's GEMM ("unfused") each followed by the SiLU-and-mul kernel."""
+    from backend.ops import triton_layers as tly
     from backend.ops import triton_linear as tlin
 
     out = []
@@ -244,13 +247,22 @@ def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP, chain
             x = torch.randn(rows, k, dtype=torch.bfloat16, device=_DEV)
 
             def kernel(cfg=None):
+                if gated:
+                    return tlin.linear_silu_and_mul(x, next(copies), config=cfg, pdl=pdl)
                 return tlin.linear(x, next(copies), config=cfg, pdl=pdl, park=park)
 
             def cublas():
-                return F.linear(x, next(copies))
+                y = F.linear(x, next(copies))
+                return tly.silu_and_mul(y, pdl=pdl) if gated else y
 
             row = dict(shape=name, rows=rows, auto=tlin.choose_config(n, k, tlin._sm_count(w.device)))
             row["cublas"] = w.numel() * 2 / _time_graph(cublas, chain=chain) / 1e9
+            listed = tlin.H200_CONFIGS.get((n, k, tlin._block_m(rows)))
+            if gated and listed is not None:
+                def unfused():
+                    return tly.silu_and_mul(tlin.linear(x, next(copies), config=listed, pdl=pdl), pdl=pdl)
+
+                row["unfused"] = w.numel() * 2 / _time_graph(unfused, chain=chain) / 1e9
             row["triton_auto"] = w.numel() * 2 / _time_graph(kernel, chain=chain) / 1e9
             for cfg in configs:
                 c = tlin.LinearConfig(*cfg)
@@ -259,7 +271,8 @@ def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP, chain
             best = max((key for key in row if key not in ("shape", "rows", "auto")), key=lambda key: row[key])
             row["best"] = best
             out.append(row)
-            print(f"  {name:11s} rows={rows:3d} cublas={row['cublas']:.3f} auto={row['triton_auto']:.3f} "
+            unfused = f" unfused={row['unfused']:.3f}" if "unfused" in row else ""
+            print(f"  {name:11s} rows={rows:3d} cublas={row['cublas']:.3f}{unfused} auto={row['triton_auto']:.3f} "
                   f"({row['auto'].block_n}x{row['auto'].block_k}) best={best} {row[best]:.3f} TB/s", flush=True)
             row["auto"] = str(row["auto"])
         del w, copies
@@ -279,6 +292,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chain", type=int, default=1, help="--linear: calls back to back in one graph")
     ap.add_argument("--pdl", action="store_true", help="--linear: launch as programmatic dependents")
     ap.add_argument("--park", action="store_true", help="--linear: split-K partials left for the next kernel to add")
+    ap.add_argument("--gated", action="store_true", help="--linear: W as [gate; up] with SiLU-and-mul fused in")
     ap.add_argument("--no-weight-pass", action="store_true", help="--linear: skip the whole-model weight passes")
     args = ap.parse_args(argv)
     _require_cuda()
@@ -288,7 +302,7 @@ def main(argv=None) -> int:
 
         shapes = {name: LINEAR_SHAPES[name] for name in args.shapes.split(",")} if args.shapes else None
         results["linear_sweep"] = sweep_linear(tuple(int(r) for r in args.rows.split(",")), shapes,
-                                               chain=args.chain, pdl=args.pdl, park=args.park)
+                                               chain=args.chain, pdl=args.pdl, park=args.park, gated=args.gated)
         for batch in () if args.no_weight_pass else (1, 32, 64):
             for label, fn in (("cublas", F.linear), ("triton", tlin.linear), ("tuned", tlin.tuned_linear)):
                 results[f"weight_pass_b{batch}_{label}"] = r = bench_weight_pass(batch=batch, linear=fn)

@@ -31,6 +31,21 @@ def _row_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
+@triton.jit
+def _load_summed(ptr, mask, stride_part, PARTS: tl.constexpr, ty: tl.constexpr):
+    """A (…) block of y, or with PARTS > 0 of a split-K GEMM's fp32 partials added in split order and rounded to
+    ty once, as the GEMM would have written y (PartialSums)."""
+    if PARTS:
+        first = tl.load(ptr, mask=mask, other=0.0)
+        total = tl.zeros_like(first)
+        total += first
+        for s in tl.static_range(1, PARTS):
+            total += tl.load(ptr + s * stride_part, mask=mask, other=0.0)
+        return total.to(ty)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0)
+
+
 # --------------------------------------------------------------------------------------------------------
 # RMSNorm, optionally fused with the residual add (one read of x and residual, one write of each output)
 # --------------------------------------------------------------------------------------------------------
@@ -44,14 +59,8 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    if PARTS:
-        # x arrives as a split-K GEMM's fp32 partials: added in split order and rounded once, as the GEMM would
-        xf = tl.zeros([BLOCK], tl.float32)
-        for s in tl.static_range(PARTS):
-            xf += tl.load(x_ptr + s * stride_part + row * stride_x + offs, mask=mask, other=0.0)
-        x = xf.to(sum_ptr.dtype.element_ty)
-    else:
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    # with PARTS, x arrives as a split-K GEMM's fp32 partials: added in split order and rounded once, as the GEMM would
+    x = _load_summed(x_ptr + row * stride_x + offs, mask, stride_part, PARTS, sum_ptr.dtype.element_ty)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         # rounded to the sum's dtype before the norm, as `hidden = hidden + residual` does in torch
@@ -110,14 +119,14 @@ def add_rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: 
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _rope_rotate(src_ptr, dst_ptr, t, stride_t, stride_h, stride_ot, stride_oh, cos, sin, offs_j, j_mask,
-                 H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr):
+                 H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, stride_part, PARTS: tl.constexpr):
     offs_h = tl.arange(0, H_PAD)
     mask = (offs_h < H)[:, None] & j_mask[None, :]
     src = src_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_j[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = dst_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_j[None, :]
     ty = dst_ptr.dtype.element_ty
+    x1 = _load_summed(src, mask, stride_part, PARTS, ty).to(tl.float32)
+    x2 = _load_summed(src + HALF, mask, stride_part, PARTS, ty).to(tl.float32)
+    dst = dst_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_j[None, :]
     # HF (and the torch path) cast cos/sin to the activations' dtype before rotating: same rounding here
     cos = cos.to(ty).to(tl.float32)
     sin = sin.to(ty).to(tl.float32)
@@ -148,9 +157,9 @@ def _rope_kernel(
     t = tl.program_id(0).to(tl.int64)
     cos, sin, offs_j, j_mask = _rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
     _rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
-                 HQ, HQ_PAD, HALF)
+                 HQ, HQ_PAD, HALF, 0, 0)
     _rope_rotate(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin, offs_j, j_mask,
-                 HK, HK_PAD, HALF)
+                 HK, HK_PAD, HALF, 0, 0)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *,
@@ -183,53 +192,69 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
 def _rope_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qo_ptr, cache_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_cs,
-    stride_ckv, stride_cb, stride_cslot, stride_ch,
+    stride_ckv, stride_cb, stride_cslot, stride_ch, stride_part,
     HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-    PDL: tl.constexpr,
+    PARTS: tl.constexpr, PDL: tl.constexpr,
 ):
+    # PARTS > 0: q, k and v are views of a split-K qkv GEMM's fp32 partials, stride_part apart (PartialSums)
     allow_dependents(PDL)
     dependent_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin, offs_j, j_mask = _rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
     _rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
-                 HQ, HQ_PAD, HALF)
+                 HQ, HQ_PAD, HALF, stride_part, PARTS)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # a negative slot means "do not cache", as in write_kv_cache
         dst = cache_ptr + (slot // BS) * stride_cb + (slot % BS) * stride_cslot
         # the rotated k goes straight to its cache slot (token stride 0: dst already points at the slot)
-        _rope_rotate(k_ptr, dst, t, stride_kt, stride_kh, 0, stride_ch, cos, sin, offs_j, j_mask, HK, HK_PAD, HALF)
+        _rope_rotate(k_ptr, dst, t, stride_kt, stride_kh, 0, stride_ch, cos, sin, offs_j, j_mask, HK, HK_PAD, HALF,
+                     stride_part, PARTS)
         offs_h = tl.arange(0, HK_PAD)
         offs_d = tl.arange(0, D_PAD)
         mask = (offs_h < HK)[:, None] & (offs_d < D)[None, :]
-        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        v = _load_summed(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask, stride_part,
+                         PARTS, cache_ptr.dtype.element_ty)
         tl.store(dst + stride_ckv + offs_h[:, None] * stride_ch + offs_d[None, :],
                  v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                  cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor, *,
-                  pdl: bool = False):
+def rope_write_kv(q: torch.Tensor | PartialSums, k: torch.Tensor | PartialSums, v: torch.Tensor | PartialSums,
+                  positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor,
+                  slot_mapping: torch.Tensor, *, pdl: bool = False):
     """apply_rope on q and k, then k and v into the paged cache (2, NB, BS, Hkv, D) at slot_mapping: one launch.
 
-    Returns the rotated q (T, Hq, D); the rotated k exists only in the cache."""
+    q (T, Hq, D), k and v (T, Hkv, D) may instead all be views of one split-K qkv GEMM's partials (PartialSums,
+    from triton_linear's park): added up here first. Returns the rotated q (T, Hq, D); the rotated k exists only
+    in the cache."""
     T, HQ, D = q.shape
     HK = k.shape[1]
-    if kv_cache_layer.dtype != k.dtype:
-        raise ValueError(f"the KV cache dtype ({kv_cache_layer.dtype}) must be k's ({k.dtype})")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    parked = [isinstance(t, PartialSums) for t in (q, k, v)]
+    if any(parked):
+        if not all(parked) or len({t.parts.stride(0) for t in (q, k, v)}) != 1 or len({t.dtype for t in (q, k, v)}) != 1:
+            raise ValueError("q, k and v must be all tensors or all views of one GEMM's partial sums")
+        dtype, parts, stride_part = q.dtype, q.parts.shape[0], q.parts.stride(0)
+        q, k, v = (t.parts[0] for t in (q, k, v))  # (T, H, D) views of the first split; the rest stride_part on
+        if not all(t.stride(-1) == 1 for t in (q, k, v)):
+            raise ValueError("partial sums must have unit stride along the head dim")
+    else:
+        dtype, parts, stride_part = q.dtype, 0, 0
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if kv_cache_layer.dtype != dtype:
+        raise ValueError(f"the KV cache dtype ({kv_cache_layer.dtype}) must be k's ({dtype})")
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     c = kv_cache_layer
-    q_out = _alloc((T, HQ, D), q.dtype, q.device)
+    q_out = _alloc((T, HQ, D), dtype, c.device)
     if T:
         half = D // 2
         _rope_write_kv_kernel[(T,)](
             q, k, v, positions, cs, q_out, c, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), cs.stride(0), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
+            stride_part,
             HQ=HQ, HK=HK, HQ_PAD=triton.next_power_of_2(HQ), HK_PAD=triton.next_power_of_2(HK),
             HALF=half, HALF_PAD=triton.next_power_of_2(half), D=D, D_PAD=triton.next_power_of_2(D),
-            BS=c.shape[2], PDL=pdl, num_warps=4, launch_pdl=pdl,
+            BS=c.shape[2], PARTS=parts, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return q_out
 

@@ -19,11 +19,13 @@ except ImportError as exc:  # the dispatcher catches this and keeps the plain-to
     raise ImportError("backend.ops.triton_linear needs the `triton` package") from exc
 
 from backend.ops import layers as torch_layers  # noqa: E402  (after the guarded triton import)
+from backend.ops import triton_layers  # noqa: E402
 from backend.ops.triton_attention import _sm_count  # noqa: E402
 from backend.ops.partial_sums import PartialSums  # noqa: E402
 from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402
 
-__all__ = ["linear", "tuned_linear", "LinearConfig", "choose_config", "H200_CONFIGS", "H200_PARKED_CONFIGS", "MAX_ROWS"]
+__all__ = ["linear", "tuned_linear", "linear_silu_and_mul", "tuned_linear_silu_and_mul", "LinearConfig",
+           "choose_config", "H200_CONFIGS", "H200_PARKED_CONFIGS", "MAX_ROWS"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: CPU tensors may launch too
 MAX_ROWS = 64  # above this many rows cuBLAS's tiles reuse each weight load enough; F.linear takes over
@@ -57,8 +59,10 @@ def _bias_and_store(acc, b_ptr, y_ptr, offs_n, offs_m, n_mask, out_mask, stride_
 def _skinny_linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, PARK: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, PARK: tl.constexpr, GATED: tl.constexpr,
 ):
+    # GATED: W is [gate; up] (2N, K) and y (M, N) = silu(x @ gate.T) * (x @ up.T); each program takes BLOCK_N rows
+    # of both halves, so the activation is formed in registers and gate_up never goes to memory
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,18 +77,30 @@ def _skinny_linear_kernel(
     dependent_wait(PDL)
     # the weight slice is the MMA's A operand (BLOCK_N ≥ 16 rows); x's padded rows are B's columns
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # GATED only
+    up_rows = w_rows + N.to(tl.int64) * stride_wn  # GATED only: the up half's rows
     for k0 in range(k_start, tl.minimum(k_start + k_run, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            w_mask = n_mask[:, None]
+            x_mask = m_mask[:, None]
         else:
             k_mask = offs_k < K
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            x_mask = m_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
+        if GATED:
+            acc_up = tl.dot(tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0), tl.trans(x), acc_up)
     out_mask = n_mask[:, None] & m_mask[None, :]
-    if PARK:
+    if GATED:
+        # the numerics of gate_up rounded to y's dtype, then triton_layers' SiLU-and-mul in fp32, rounded once
+        ty = y_ptr.dtype.element_ty
+        gate = acc.to(ty).to(tl.float32)
+        act = gate * tl.sigmoid(gate) * acc_up.to(ty).to(tl.float32)
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], act.to(ty), mask=out_mask)
+    elif PARK:
         # Each split leaves its fp32 partial at part[split] (SPLIT_K, M, N); the next kernel, which reads y
         # anyway, adds them in split order, row by row in parallel (PartialSums).
         tl.store(part_ptr + split * (M * N).to(tl.int64) + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
@@ -144,11 +160,13 @@ H200_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
     (2048, 8192, 64): LinearConfig(64, 128, 4, 4, split_k=4),
 }
 
-# Where the output feeds add_rms_norm, which adds parked split-K partials itself: o and down. Timed as 8 dependent
+# Where the output feeds add_rms_norm or rope_write_kv, which add parked split-K partials themselves: qkv, o and
+# down. Timed as 8 dependent
 # launches in a row (`--linear --park --chain 8 --pdl`), TB/s of W, against the best of cuBLAS and the unsplit
 # kernel in the same run: 1B at 64 rows o 1.93 (1.32), down 3.17 (2.57 with the split-K sum in the GEMM);
 # 8B at 16 / 32 / 64 rows o 3.49 / 3.28 / 3.21 (3.07 / 3.01 / 2.77), down 4.08 / 3.95 / 3.77 (3.78 / 3.68 / 3.25).
 H200_PARKED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
+    (3072, 2048, 64): LinearConfig(64, 128, 4, 4, split_k=2),  # qkv, read by rope_write_kv: 2.15; cuBLAS 1.93
     (2048, 2048, 64): LinearConfig(64, 128, 4, 4, split_k=4),
     (2048, 8192, 64): LinearConfig(64, 128, 4, 4, split_k=4),
     (4096, 4096, 16): LinearConfig(64, 128, 4, 6, split_k=2),
@@ -214,12 +232,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _skinny_linear_kernel[(tiles, cfg.split_k)](
         x2, w, bias if bias is not None else w, y, parts, counts, rows, n, k, x2.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PDL=pdl, PARK=parked is not None,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PDL=pdl, PARK=parked is not None, GATED=False,
         num_warps=cfg.num_warps, num_stages=_stages(cfg, block_m, x.element_size()), launch_pdl=pdl,
     )
     if parked is not None:
         return PartialSums(parked, x.dtype)
     return y.view(*x.shape[:-1], n)
+
+
+def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        config: LinearConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
+    """silu_and_mul(linear(x, gate_up_weight, bias)) for gate_up_weight = [gate; up] (2I, K): (…, I).
+
+    Rows ≤ MAX_ROWS of bf16/fp16 without bias run one kernel whose programs each take the same W rows of both
+    halves, so gate_up never goes to memory; config is the unfused GEMM's (its block_n counts both halves) and
+    must not split K. Anything else runs the GEMM and triton_layers.silu_and_mul, with the same numerics."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    two_i, k = gate_up_weight.shape
+    cfg = config or choose_config(two_i, k, _sm_count(x.device) if x.is_cuda else 132)
+    if (rows == 0 or rows > MAX_ROWS or bias is not None or cfg.split_k > 1 or cfg.block_n < 32 or two_i % 2
+            or x.dtype not in (torch.bfloat16, torch.float16) or gate_up_weight.dtype != x.dtype
+            or not x.is_cuda and not _INTERPRET):
+        return triton_layers.silu_and_mul(linear(x, gate_up_weight, bias, config=config, pdl=pdl), pdl=pdl)
+    x2 = x.reshape(rows, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = gate_up_weight if gate_up_weight.stride(-1) == 1 else gate_up_weight.contiguous()
+    inter, block_n, block_m = two_i // 2, cfg.block_n // 2, _block_m(rows)
+    y = _alloc((rows, inter), x.dtype, x.device)
+    _skinny_linear_kernel[(triton.cdiv(inter, block_n), 1)](
+        x2, w, w, y, y, y, rows, inter, k, x2.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=1, PDL=pdl, PARK=False, GATED=True, num_warps=cfg.num_warps,
+        num_stages=_stages(cfg, block_m, x.element_size()), launch_pdl=pdl,
+    )
+    return y.view(*x.shape[:-1], inter)
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -260,3 +307,15 @@ def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if config is not None:
             return linear(x, weight, bias, out, config=config, pdl=pdl)
     return torch_layers.linear(x, weight, bias, out)
+
+
+def tuned_linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                              pdl: bool = False) -> torch.Tensor:
+    """silu_and_mul(tuned_linear(x, gate_up_weight, bias)): one kernel where H200_CONFIGS lists the gate_up shape
+    without a K split (linear_silu_and_mul), else the tuned GEMM and triton_layers.silu_and_mul."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if bias is None and 0 < rows <= MAX_ROWS and x.is_cuda and _is_h200_class(x.device):
+        config = H200_CONFIGS.get((gate_up_weight.shape[0], gate_up_weight.shape[1], _block_m(rows)))
+        if config is not None and config.split_k == 1:
+            return linear_silu_and_mul(x, gate_up_weight, config=config, pdl=pdl)
+    return triton_layers.silu_and_mul(tuned_linear(x, gate_up_weight, bias, pdl=pdl), pdl=pdl)

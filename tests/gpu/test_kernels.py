@@ -526,11 +526,43 @@ def test_tuned_linear_uses_the_table_only_on_its_gpu(monkeypatch):
     assert tlin.tuned_linear(x64, o_proj, park=True) == "kernel"
     assert tlin.tuned_linear(x64, o_proj) == "cublas"
     assert tlin.tuned_linear(x64, o_proj, torch.zeros(2048), park=True) == "cublas"  # bias: not parked
-    assert tlin.tuned_linear(x64, qkv, park=True) == "cublas"
-    assert launched == [(tlin.H200_PARKED_CONFIGS[(2048, 2048, 64)], True)]
+    assert tlin.tuned_linear(x64, qkv, park=True) == "kernel"
+    down = types.SimpleNamespace(shape=(2048, 8192))
+    x64_down = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=(64, 8192),
+                                     numel=lambda: 64 * 8192)
+    assert tlin.tuned_linear(x64_down, down, park=True) == "kernel"
+    assert launched == [(tlin.H200_PARKED_CONFIGS[(2048, 2048, 64)], True),
+                        (tlin.H200_PARKED_CONFIGS[(3072, 2048, 64)], True),
+                        (tlin.H200_PARKED_CONFIGS[(2048, 8192, 64)], True)]
     monkeypatch.setattr(tlin, "_capability", lambda index: (8, 0))
     assert tlin.tuned_linear(x, listed) == "cublas"
     assert tlin.tuned_linear(x64, o_proj, park=True) == "cublas"
+
+
+def test_tuned_linear_silu_and_mul_fuses_only_listed_unsplit_shapes(monkeypatch):
+    """gate_up shapes listed without a K split run the fused kernel with the listed config; a split, a bias, an
+    unlisted shape or another GPU run the tuned GEMM and the separate SiLU-and-mul."""
+    calls = []
+    monkeypatch.setattr(tlin, "linear_silu_and_mul", lambda x, w, b=None, config=None, pdl=False:
+                        calls.append(("fused", config)) or "fused")
+    monkeypatch.setattr(tlin, "tuned_linear", lambda x, w, b=None, out=None, pdl=False:
+                        calls.append(("gemm", w.shape)) or "gemm")
+    monkeypatch.setattr(tlin.triton_layers, "silu_and_mul", lambda y, pdl=False: f"silu({y})")
+    monkeypatch.setattr(tlin, "_capability", lambda index: (9, 0))
+
+    def rows(n, k):
+        return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), shape=(n, k), numel=lambda: n * k)
+
+    gate_up = types.SimpleNamespace(shape=(16384, 2048))
+    assert tlin.tuned_linear_silu_and_mul(rows(64, 2048), gate_up) == "fused"
+    assert calls.pop() == ("fused", tlin.H200_CONFIGS[(16384, 2048, 64)])
+    split = types.SimpleNamespace(shape=(2048, 8192))  # listed with split_k=4 at 64 rows
+    assert tlin.tuned_linear_silu_and_mul(rows(64, 8192), split) == "silu(gemm)"
+    assert tlin.tuned_linear_silu_and_mul(rows(64, 2048), gate_up, torch.zeros(16384)) == "silu(gemm)"
+    assert tlin.tuned_linear_silu_and_mul(rows(64, 4096), types.SimpleNamespace(shape=(999, 4096))) == "silu(gemm)"
+    monkeypatch.setattr(tlin, "_capability", lambda index: (8, 0))
+    assert tlin.tuned_linear_silu_and_mul(rows(64, 2048), gate_up) == "silu(gemm)"
+    assert [c[0] for c in calls] == ["gemm"] * 4
 
 
 @pytest.mark.parametrize("config", [None, tlin.LinearConfig(64, 128, 4, 3)], ids=["auto", "n64"])
@@ -665,6 +697,84 @@ def test_parked_split_k_through_add_rms_norm_equals_the_summed_split_k(rows, spl
     assert got.data_ptr() == out.data_ptr() and torch.equal(out, summed)
     with pytest.raises(ValueError, match="do not match the residual"):
         tly.add_rms_norm(parked, r[:, :64], norm_w[:64], 1e-5)
+
+
+def _qkv_views(y, t, hq, hkv, d):
+    """q (T, Hq, D), k and v (T, Hkv, D) views of a fused qkv output, or of its partial sums."""
+    q, k, v = y.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+def test_rope_write_kv_adds_partial_sums_in_split_order(dtype):
+    """q, k and v given as views of one GEMM's partial sums: rope_write_kv writes the same q and cache bits as
+    for the partials added in split order in fp32 and rounded once to the GEMM's dtype."""
+    g = torch.Generator().manual_seed(12)
+    t, hq, hkv, d, bs, nb = 6, 8, 2, 64, 16, 4
+    parts = torch.randn(3, t, (hq + 2 * hkv) * d, generator=g).to(DEVICE)
+    summed = ((parts[0] + parts[1]) + parts[2]).to(dtype)
+    cos_sin = _cos_sin_cache(512, d).to(DEVICE)
+    pos = torch.randint(0, 512, (t,), generator=g).to(DEVICE)
+    slots = torch.randperm(nb * bs, generator=g)[:t].to(DEVICE)
+    caches = [torch.full((2, nb, bs, hkv, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+    got = tly.rope_write_kv(*_qkv_views(PartialSums(parts, dtype), t, hq, hkv, d), pos, cos_sin, caches[0], slots)
+    want = tly.rope_write_kv(*_qkv_views(summed, t, hq, hkv, d), pos, cos_sin, caches[1], slots)
+    assert got.shape == (t, hq, d) and got.dtype == dtype
+    if dtype == torch.float32 or EXACT_BF16:
+        assert torch.equal(got, want)
+        assert torch.equal(caches[0].nan_to_num(7.0), caches[1].nan_to_num(7.0))  # unwritten slots stay NaN
+    else:
+        assert rel_err(got, want.double()) < 2e-2
+    q, k, v = _qkv_views(PartialSums(parts, dtype), t, hq, hkv, d)
+    with pytest.raises(ValueError, match="all tensors or all views"):
+        tly.rope_write_kv(q, k, summed[:, :hkv * d].view(t, hkv, d), pos, cos_sin, caches[0], slots)
+
+
+@pytest.mark.parametrize("rows,split_k", [(5, 2), (64, 2)])
+def test_parked_qkv_through_rope_write_kv_equals_the_summed_split_k(rows, split_k):
+    """The qkv GEMM parked and fed to rope_write_kv writes the same q and cache bits as the split-K GEMM that adds
+    its partials itself."""
+    g = torch.Generator().manual_seed(rows + 1)
+    hq, hkv, d, bs, nb, k = 8, 2, 64, 16, 8, 512
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn((hq + 2 * hkv) * d, k, generator=g) * k ** -0.5).to(torch.bfloat16).to(DEVICE)
+    cos_sin = _cos_sin_cache(512, d).to(DEVICE)
+    pos = torch.randint(0, 512, (rows,), generator=g).to(DEVICE)
+    slots = torch.randperm(nb * bs, generator=g)[:rows].to(DEVICE)
+    cfg = tlin.LinearConfig(32, 64, 4, 2, split_k=split_k)
+    caches = [torch.zeros((2, nb, bs, hkv, d), dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    parked = tlin.linear(x, w, config=cfg, park=True)
+    assert isinstance(parked, PartialSums)
+    got = tly.rope_write_kv(*_qkv_views(parked, rows, hq, hkv, d), pos, cos_sin, caches[0], slots)
+    want = tly.rope_write_kv(*_qkv_views(tlin.linear(x, w, config=cfg), rows, hq, hkv, d), pos, cos_sin,
+                             caches[1], slots)
+    assert torch.equal(got, want) and torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("k,block_k", [(512, 128), (200, 64)])
+def test_linear_silu_and_mul_equals_the_gemm_then_silu_and_mul(rows, k, block_k):
+    """One launch for gate_up and SiLU-and-mul: the same bits as the GEMM (at the same tile of W rows per half)
+    followed by triton_layers.silu_and_mul, also for a K that the K step does not divide and an I that the tile
+    does not divide."""
+    g = torch.Generator().manual_seed(rows * k)
+    inter = 200
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(2 * inter, k, generator=g) * k ** -0.5).to(torch.bfloat16).to(DEVICE)
+    fused = tlin.linear_silu_and_mul(x, w, config=tlin.LinearConfig(64, block_k, 4, 3))  # 32 rows of each half
+    unfused = tly.silu_and_mul(tlin.linear(x, w, config=tlin.LinearConfig(32, block_k, 4, 3)))
+    assert fused.shape == (rows, inter)
+    if EXACT_BF16:
+        assert torch.equal(fused, unfused)
+    xd, wd = x.double(), w.double()
+    ref = torch.nn.functional.silu(xd @ wd[:inter].T) * (xd @ wd[inter:].T)
+    assert rel_err(fused, ref) < 1e-2
+    # a bias, a K split or too many rows take the GEMM and the separate kernel
+    bias = torch.randn(2 * inter, generator=g).to(torch.bfloat16).to(DEVICE)
+    assert torch.equal(tlin.linear_silu_and_mul(x, w, bias, config=tlin.LinearConfig(32, block_k, 4, 3)),
+                       tly.silu_and_mul(tlin.linear(x, w, bias, config=tlin.LinearConfig(32, block_k, 4, 3))))
+    split = tlin.LinearConfig(32, block_k, 4, 3, split_k=2)
+    assert torch.equal(tlin.linear_silu_and_mul(x, w, config=split), tly.silu_and_mul(tlin.linear(x, w, config=split)))
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")

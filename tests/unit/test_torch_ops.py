@@ -39,3 +39,24 @@ def test_greedy_argmax_first_maximum_into_out():
 def test_torch_ops_carry_the_greedy_pick_and_linear():
     ops = get_ops("torch")
     assert ops.greedy_argmax is layers.greedy_argmax and ops.linear is layers.linear
+    # the torch path never parks partials and runs the gate_up GEMM and SiLU-and-mul as two ops
+    assert ops.linear_parked is layers.linear
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(4, 16, generator=g), torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    assert torch.equal(ops.linear_silu_and_mul(x, w, b), layers.silu_and_mul(F.linear(x, w, b)))
+    assert torch.equal(ops.linear_silu_and_mul(x, w), F.silu(x @ w[:12].T) * (x @ w[12:].T))
+
+
+def test_partial_sums_split_and_view_keep_the_split_dim_in_front():
+    """split / view act on the GEMM output's dims; every piece is a view of the same parts."""
+    from backend.ops.partial_sums import PartialSums
+
+    parts = torch.randn(3, 5, 12)
+    q, k, v = PartialSums(parts, torch.bfloat16).split([8, 2, 2], dim=-1)
+    assert (q.shape, k.shape, v.shape) == ((5, 8), (5, 2), (5, 2)) and q.dtype == torch.bfloat16
+    assert torch.equal(k.parts, parts[:, :, 8:10]) and k.parts.data_ptr() == parts[:, :, 8:].data_ptr()
+    heads = q.view(5, 4, 2)
+    assert heads.shape == (5, 4, 2) and torch.equal(heads.parts, parts[:, :, :8].reshape(3, 5, 4, 2))
+    assert heads.parts.stride(0) == parts.stride(0)
+    with pytest.raises(ValueError, match="last dim"):
+        PartialSums(parts, torch.bfloat16).split([2, 3], dim=0)
