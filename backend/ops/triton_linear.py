@@ -25,7 +25,7 @@ from backend.ops.partial_sums import PartialSums  # noqa: E402
 from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402
 
 __all__ = ["linear", "tuned_linear", "linear_silu_and_mul", "tuned_linear_silu_and_mul", "LinearConfig",
-           "choose_config", "H200_CONFIGS", "H200_PARKED_CONFIGS", "MAX_ROWS"]
+           "choose_config", "H200_CONFIGS", "H200_PARKED_CONFIGS", "H200_GATED_CONFIGS", "MAX_ROWS"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: CPU tensors may launch too
 MAX_ROWS = 64  # above this many rows cuBLAS's tiles reuse each weight load enough; F.linear takes over
@@ -178,6 +178,16 @@ H200_PARKED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
 }
 
 
+# gate_up with SiLU-and-mul in the epilogue (linear_silu_and_mul; block_n counts the rows of both halves). Timed as
+# 8 dependent launches in a row (`--linear --gated --chain 8 --pdl`), TB/s of W, against the table's GEMM followed
+# by the SiLU-and-mul kernel: 1B at 16 rows 3.78 (3.57), at 64 rows 3.45 (3.24). With the GEMM table's 64-row tile
+# at 16 rows the fused kernel ran at 2.98, slower than the two kernels, so only measured shapes fuse.
+H200_GATED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
+    (16384, 2048, 16): LinearConfig(128, 128, 4, 4),
+    (16384, 2048, 64): LinearConfig(128, 128, 4, 4),
+}
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
@@ -311,11 +321,11 @@ def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def tuned_linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                               pdl: bool = False) -> torch.Tensor:
-    """silu_and_mul(tuned_linear(x, gate_up_weight, bias)): one kernel where H200_CONFIGS lists the gate_up shape
-    without a K split (linear_silu_and_mul), else the tuned GEMM and triton_layers.silu_and_mul."""
+    """silu_and_mul(tuned_linear(x, gate_up_weight, bias)): one kernel where H200_GATED_CONFIGS lists the gate_up
+    shape on this GPU (linear_silu_and_mul), else the tuned GEMM and triton_layers.silu_and_mul."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if bias is None and 0 < rows <= MAX_ROWS and x.is_cuda and _is_h200_class(x.device):
-        config = H200_CONFIGS.get((gate_up_weight.shape[0], gate_up_weight.shape[1], _block_m(rows)))
-        if config is not None and config.split_k == 1:
+        config = H200_GATED_CONFIGS.get((gate_up_weight.shape[0], gate_up_weight.shape[1], _block_m(rows)))
+        if config is not None:
             return linear_silu_and_mul(x, gate_up_weight, config=config, pdl=pdl)
     return triton_layers.silu_and_mul(tuned_linear(x, gate_up_weight, bias, pdl=pdl), pdl=pdl)

@@ -539,9 +539,9 @@ def test_tuned_linear_uses_the_table_only_on_its_gpu(monkeypatch):
     assert tlin.tuned_linear(x64, o_proj, park=True) == "cublas"
 
 
-def test_tuned_linear_silu_and_mul_fuses_only_listed_unsplit_shapes(monkeypatch):
-    """gate_up shapes listed without a K split run the fused kernel with the listed config; a split, a bias, an
-    unlisted shape or another GPU run the tuned GEMM and the separate SiLU-and-mul."""
+def test_tuned_linear_silu_and_mul_fuses_only_listed_shapes(monkeypatch):
+    """gate_up shapes in the gated table run the fused kernel with its config; a bias, a shape listed only in the
+    GEMM table, an unlisted shape or another GPU run the tuned GEMM and the separate SiLU-and-mul."""
     calls = []
     monkeypatch.setattr(tlin, "linear_silu_and_mul", lambda x, w, b=None, config=None, pdl=False:
                         calls.append(("fused", config)) or "fused")
@@ -555,9 +555,10 @@ def test_tuned_linear_silu_and_mul_fuses_only_listed_unsplit_shapes(monkeypatch)
 
     gate_up = types.SimpleNamespace(shape=(16384, 2048))
     assert tlin.tuned_linear_silu_and_mul(rows(64, 2048), gate_up) == "fused"
-    assert calls.pop() == ("fused", tlin.H200_CONFIGS[(16384, 2048, 64)])
-    split = types.SimpleNamespace(shape=(2048, 8192))  # listed with split_k=4 at 64 rows
-    assert tlin.tuned_linear_silu_and_mul(rows(64, 8192), split) == "silu(gemm)"
+    assert calls.pop() == ("fused", tlin.H200_GATED_CONFIGS[(16384, 2048, 64)])
+    assert tlin.tuned_linear_silu_and_mul(rows(16, 2048), gate_up) == "fused"
+    assert calls.pop() == ("fused", tlin.H200_GATED_CONFIGS[(16384, 2048, 16)])
+    assert tlin.tuned_linear_silu_and_mul(rows(32, 2048), gate_up) == "silu(gemm)"  # in the GEMM table only
     assert tlin.tuned_linear_silu_and_mul(rows(64, 2048), gate_up, torch.zeros(16384)) == "silu(gemm)"
     assert tlin.tuned_linear_silu_and_mul(rows(64, 4096), types.SimpleNamespace(shape=(999, 4096))) == "silu(gemm)"
     monkeypatch.setattr(tlin, "_capability", lambda index: (8, 0))
