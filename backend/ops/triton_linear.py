@@ -161,10 +161,10 @@ H200_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
 }
 
 # Where the output feeds add_rms_norm or rope_write_kv, which add parked split-K partials themselves: qkv, o and
-# down. Timed as 8 dependent
-# launches in a row (`--linear --park --chain 8 --pdl`), TB/s of W, against the best of cuBLAS and the unsplit
-# kernel in the same run: 1B at 64 rows o 1.93 (1.32), down 3.17 (2.57 with the split-K sum in the GEMM);
-# 8B at 16 / 32 / 64 rows o 3.49 / 3.28 / 3.21 (3.07 / 3.01 / 2.77), down 4.08 / 3.95 / 3.77 (3.78 / 3.68 / 3.25).
+# down. Timed as 8 dependent launches in a row (`--linear --park --chain 8 --pdl`), TB/s of W, against the best of
+# cuBLAS and the unsplit kernel in the same run: 1B at 64 rows o 1.93 (1.32), down 3.17 (2.57 with the split-K sum
+# in the GEMM); 8B at 16 / 32 / 64 rows o 3.49 / 3.28 / 3.21 (3.07 / 3.01 / 2.77), down 4.08 / 3.95 / 3.77 (3.78 /
+# 3.68 / 3.25). 8B qkv won only at 16 rows, by 3%, and is not parked: its rope kernel would read four partials.
 H200_PARKED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
     (3072, 2048, 64): LinearConfig(64, 128, 4, 4, split_k=2),  # qkv, read by rope_write_kv: 2.15; cuBLAS 1.93
     (2048, 2048, 64): LinearConfig(64, 128, 4, 4, split_k=4),
@@ -260,8 +260,8 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: tor
     """silu_and_mul(linear(x, gate_up_weight, bias)) for gate_up_weight = [gate; up] (2I, K): (…, I).
 
     Rows ≤ MAX_ROWS of bf16/fp16 without bias run one kernel whose programs each take the same W rows of both
-    halves, so gate_up never goes to memory; config is the unfused GEMM's (its block_n counts both halves) and
-    must not split K. Anything else runs the GEMM and triton_layers.silu_and_mul, with the same numerics."""
+    halves, so gate_up never goes to memory; config's block_n counts the rows of both halves. A bias, a config
+    that splits K or more rows run the GEMM and triton_layers.silu_and_mul instead, with the same numerics."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     two_i, k = gate_up_weight.shape
     cfg = config or choose_config(two_i, k, _sm_count(x.device) if x.is_cuda else 132)

@@ -821,15 +821,15 @@ def test_dependent_launch_chain_in_a_cuda_graph_equals_plain_launches():
 
     def layer(pdl):
         x, res = tly.add_rms_norm(h0, r0, norm_w, 1e-5, pdl=pdl)
-        qkv = tlin.linear(x, w_qkv, config=cfg_split, pdl=pdl)
+        qkv = tlin.linear(x, w_qkv, config=cfg_split, pdl=pdl, park=True)  # partials for rope_write_kv
         q, k, v = qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1)
         q = tly.rope_write_kv(q.view(4, 8, 64), k.view(4, 2, 64), v.view(4, 2, 64), positions, cos_sin,
                               case.cache, case.meta.slot_mapping, pdl=pdl)
         attn = ta.decode_attention(q, case.cache, case.meta, 0.125, num_splits=3, pdl=pdl)
         h = tlin.linear(attn.reshape(4, -1), w_o, config=cfg_split, pdl=pdl, park=True)  # partials for the norm
         x, res = tly.add_rms_norm(h, res, norm_w, 1e-5, pdl=pdl)
-        gu = tlin.linear(x, w_gu, config=tlin.LinearConfig(64, 128, 4, 3), pdl=pdl)
-        out = tlin.linear(tly.silu_and_mul(gu, pdl=pdl), w_down, config=cfg_split, pdl=pdl)
+        act = tlin.linear_silu_and_mul(x, w_gu, config=tlin.LinearConfig(64, 128, 4, 3), pdl=pdl)
+        out = tlin.linear(act, w_down, config=cfg_split, pdl=pdl)
         best = torch.empty(4, dtype=torch.int64, device=DEVICE)
         targ.greedy_argmax(out, best, pdl=pdl)
         return out, res, best
