@@ -165,9 +165,17 @@ H200_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
 # cuBLAS and the unsplit kernel in the same run: 1B at 64 rows o 1.93 (1.32), down 3.17 (2.57 with the split-K sum
 # in the GEMM); 8B at 16 / 32 / 64 rows o 3.49 / 3.28 / 3.21 (3.07 / 3.01 / 2.77), down 4.08 / 3.95 / 3.77 (3.78 /
 # 3.68 / 3.25). 8B qkv won only at 16 rows, by 3%, and is not parked: its rope kernel would read four partials.
+# 1B at 16 / 32 rows (eighth GPU session): qkv 2.42 / 2.32 (2.13 / 2.00), o 1.96 / 1.79 (1.49 / 1.39), down 3.34 / 3.17
+# (2.45 / 2.39; at 32 rows the GEMM table has the serial split-K of the same shape, not timed in that run).
 H200_PARKED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
+    (3072, 2048, 16): LinearConfig(64, 128, 4, 6, split_k=2),
+    (3072, 2048, 32): LinearConfig(64, 128, 4, 6, split_k=2),
     (3072, 2048, 64): LinearConfig(64, 128, 4, 4, split_k=2),  # qkv, read by rope_write_kv: 2.15; cuBLAS 1.93
+    (2048, 2048, 16): LinearConfig(64, 128, 4, 6, split_k=2),
+    (2048, 2048, 32): LinearConfig(64, 128, 4, 6, split_k=2),
     (2048, 2048, 64): LinearConfig(64, 128, 4, 4, split_k=4),
+    (2048, 8192, 16): LinearConfig(64, 128, 4, 4, split_k=4),
+    (2048, 8192, 32): LinearConfig(64, 128, 4, 4, split_k=4),
     (2048, 8192, 64): LinearConfig(64, 128, 4, 4, split_k=4),
     (4096, 4096, 16): LinearConfig(64, 128, 4, 6, split_k=2),
     (4096, 4096, 32): LinearConfig(64, 128, 4, 6, split_k=2),
