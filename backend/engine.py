@@ -122,6 +122,10 @@ class Engine:
         self.outputs.register(req, sink, stream=stream_outputs)
         return req, stream
 
+    def flush_outputs(self, timeout: float = 5.0) -> bool:
+        """Wait until every output the engine has produced so far has reached its request's sink."""
+        return self.outputs.flush(timeout)
+
     def abort(self, request_id: str) -> None:
         """Stop a request; it gets a final output with finish_reason 'abort' (no-op if already done)."""
         self._inbox.put(("abort", str(request_id), FINISH_ABORT))
@@ -241,8 +245,8 @@ class Engine:
                 self._drain_inflight()
         except BaseException as exc:  # the loop itself broke: nothing can be served any more
             log.exception("engine loop died")
+            self._fail_all(f"engine loop died: {exc}")  # why first: a consumer that sees us unhealthy flushes these
             self._healthy = False
-            self._fail_all(f"engine loop died: {exc}")
         finally:
             self.gate.disable()
             self._fail_all("engine shut down", reason=FINISH_ABORT)

@@ -92,21 +92,33 @@ class OutputProcessor:
         self._queue.put(None)
         self._thread.join(timeout)
 
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every event pushed before this call has reached its sink; False on timeout."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
     def _run(self) -> None:
         while True:
-            events = self._queue.get()
-            if events is None:
-                return
+            batch = [self._queue.get()]
             try:  # take every step that is already waiting: one batched decode for all of them
                 while True:
-                    more = self._queue.get_nowait()
-                    if more is None:
-                        self._process(events)
-                        return
-                    events = events + more
+                    batch.append(self._queue.get_nowait())
             except queue.Empty:
                 pass
-            self._process(events)
+            events: list = []
+            for item in batch:
+                if item is not None and not isinstance(item, threading.Event):
+                    events += item
+                    continue
+                if events:  # a close or flush marker: what came before it is delivered first
+                    self._process(events)
+                    events = []
+                if item is None:
+                    return
+                item.set()  # a flush marker
+            if events:
+                self._process(events)
 
     def _process(self, events: list[StepEvent]) -> None:
         """One output per request for all of its events in this batch (a lagging consumer gets bigger deltas,

@@ -85,3 +85,39 @@ def test_coalesce_joins_a_requests_waiting_deltas_and_keeps_other_items_in_place
     assert merged[1].delta_logprobs == [{"token_id": 1}]
     # a finished output is never joined into a later one: its request has ended
     assert merged[3].finished and merged[3].delta_logprobs == [{"token_id": 4}]
+
+
+def test_flush_returns_once_everything_pushed_before_it_reached_the_sink(tok):
+    """flush: a consumer that learns the engine stopped can wait for the engine's last outputs (its error) to
+    arrive before it answers the remaining requests itself. The output thread is held at its first batch, so
+    the pushes queue up behind it; flush must not return before they and the final error are delivered."""
+    import threading
+
+    gate = threading.Event()
+    processor = OutputProcessor(tok, lambda _rid: None, lambda _rid: None)
+    real_process = processor._process
+
+    def held_process(events):
+        gate.wait(5)
+        real_process(events)
+
+    processor._process = held_process
+    try:
+        req = Request("r", tok.encode("hi", add_special_tokens=False), SamplingParams(max_tokens=50), 0, frozenset())
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        processor.register(req, sink)
+        processor.push(_events(tok.encode("ab", add_special_tokens=False)))
+        processor.push([StepEvent("r", None, None, "error", "injected fault")])
+        assert processor.flush(timeout=0.2) is False  # held: not delivered yet
+        assert sink.empty()
+        gate.set()
+        assert processor.flush(timeout=5) is True
+        outs = []
+        while not sink.empty():
+            outs.append(sink.get())
+        assert outs and outs[-1].finished and outs[-1].finish_reason == "error"
+        assert outs[-1].error == "injected fault"
+        assert [o.finished for o in outs].count(True) == 1
+    finally:
+        gate.set()
+        processor.close()

@@ -189,6 +189,9 @@ class ResponseLoop:
             self._check_cancelled()
             self._flush_metrics()
             if not self.closing and not self._engine.healthy:
+                # the engine's last outputs (the error of the step that stopped it) answer their requests first;
+                # only requests they leave open get the generic message
+                self._deliver_pending()
                 self._fail_all("engine stopped; see the server log", pb_utils.TritonError.INTERNAL)
                 self._report_dead()
         if now >= self._next_stats:
@@ -197,6 +200,23 @@ class ResponseLoop:
                 self._metrics.update_engine(self._engine.stats())
             except Exception as err:
                 pb_utils.Logger.log_warn(f"tandem: engine stats unavailable: {err!r}")
+
+    def _deliver_pending(self) -> None:
+        """Handle everything the stopped engine still had on its way here (its output thread, then this queue)."""
+        try:
+            self._engine.flush_outputs()
+        except Exception as err:  # a broken output thread must not keep the other requests waiting
+            pb_utils.Logger.log_warn(f"tandem: engine outputs not flushed: {err!r}")
+        items = []
+        while True:
+            try:
+                items.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        for item in coalesce_outputs([i for i in items if i is not _STOP]):
+            self._safe_handle(item)
+        if any(i is _STOP for i in items):
+            self.queue.put(_STOP)  # finalize's stop marker stays for the main loop
 
     def _report_dead(self) -> None:
         if self._dead_reported:
