@@ -190,8 +190,9 @@ class ResponseLoop:
             self._flush_metrics()
             if not self.closing and not self._engine.healthy:
                 # the engine's last outputs (the error of the step that stopped it) answer their requests first;
-                # only requests they leave open get the generic message
-                self._deliver_pending()
+                # only requests they leave open get the generic message (once: later ticks find nothing pending)
+                if not self._dead_reported:
+                    self._deliver_pending()
                 self._fail_all("engine stopped; see the server log", pb_utils.TritonError.INTERNAL)
                 self._report_dead()
         if now >= self._next_stats:
