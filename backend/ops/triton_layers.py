@@ -234,7 +234,8 @@ def rope_write_kv(q: torch.Tensor | PartialSums, k: torch.Tensor | PartialSums, 
     HK = k.shape[1]
     parked = [isinstance(t, PartialSums) for t in (q, k, v)]
     if any(parked):
-        if not all(parked) or len({t.parts.stride(0) for t in (q, k, v)}) != 1 or len({t.dtype for t in (q, k, v)}) != 1:
+        one_gemm = all(parked) and len({(t.parts.stride(0), t.dtype) for t in (q, k, v)}) == 1
+        if not one_gemm:
             raise ValueError("q, k and v must be all tensors or all views of one GEMM's partial sums")
         dtype, parts, stride_part = q.dtype, q.parts.shape[0], q.parts.stride(0)
         q, k, v = (t.parts[0] for t in (q, k, v))  # (T, H, D) views of the first split; the rest stride_part on

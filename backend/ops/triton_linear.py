@@ -229,7 +229,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pdl: launch as a programmatic dependent of the previous kernel (triton_launch).
     park: a split-K launch without bias or out returns its partials unsummed (PartialSums), for a caller whose
     next kernel adds them (triton_layers.add_rms_norm); any other launch returns y as usual."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = _row_count(x)
     if (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
             or not x.is_cuda and not _INTERPRET or out is not None and out.stride(-1) != 1):
         return torch_layers.linear(x, weight, bias, out)
@@ -270,7 +270,7 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: tor
     Rows ≤ MAX_ROWS of bf16/fp16 without bias run one kernel whose programs each take the same W rows of both
     halves, so gate_up never goes to memory; config's block_n counts the rows of both halves. A bias, a config
     that splits K or more rows run the GEMM and triton_layers.silu_and_mul instead, with the same numerics."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = _row_count(x)
     two_i, k = gate_up_weight.shape
     cfg = config or choose_config(two_i, k, _sm_count(x.device) if x.is_cuda else 132)
     if (rows == 0 or rows > MAX_ROWS or bias is not None or cfg.split_k > 1 or cfg.block_n < 32 or two_i % 2
@@ -315,14 +315,26 @@ def _block_m(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
 
+def _row_count(x: torch.Tensor) -> int:
+    """Rows of x as the GEMM sees them: every leading dim flattened."""
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _table_key(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int] | None:
+    """(N, K, BLOCK_M) to look up in the H200 tables, or None where no table applies (too many rows, another GPU)."""
+    rows = _row_count(x)
+    if 0 < rows <= MAX_ROWS and x.is_cuda and _is_h200_class(x.device):
+        return weight.shape[0], weight.shape[1], _block_m(rows)
+    return None
+
+
 def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, *, pdl: bool = False, park: bool = False) -> torch.Tensor | PartialSums:
     """F.linear(x, weight, bias) through the kernel where H200_CONFIGS lists the shape on this GPU, else cuBLAS.
 
     park: the caller's next kernel can add split-K partials (linear's park); H200_PARKED_CONFIGS comes first."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 0 < rows <= MAX_ROWS and x.is_cuda and _is_h200_class(x.device):
-        key = (weight.shape[0], weight.shape[1], _block_m(rows))
+    key = _table_key(x, weight)
+    if key is not None:
         config = H200_PARKED_CONFIGS.get(key) if park and bias is None and out is None else None
         if config is not None:
             return linear(x, weight, None, None, config=config, pdl=pdl, park=True)
@@ -336,9 +348,9 @@ def tuned_linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bia
                               pdl: bool = False) -> torch.Tensor:
     """silu_and_mul(tuned_linear(x, gate_up_weight, bias)): one kernel where H200_GATED_CONFIGS lists the gate_up
     shape on this GPU (linear_silu_and_mul), else the tuned GEMM and triton_layers.silu_and_mul."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if bias is None and 0 < rows <= MAX_ROWS and x.is_cuda and _is_h200_class(x.device):
-        config = H200_GATED_CONFIGS.get((gate_up_weight.shape[0], gate_up_weight.shape[1], _block_m(rows)))
+    key = _table_key(x, gate_up_weight) if bias is None else None
+    if key is not None:
+        config = H200_GATED_CONFIGS.get(key)
         if config is not None:
             return linear_silu_and_mul(x, gate_up_weight, config=config, pdl=pdl)
     return triton_layers.silu_and_mul(tuned_linear(x, gate_up_weight, bias, pdl=pdl), pdl=pdl)

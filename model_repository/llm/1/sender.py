@@ -84,11 +84,7 @@ class ResponseLoop:
                 items = [self.queue.get(timeout=0.05)]
             except queue.Empty:
                 items = []
-            while True:  # drain what is already there: one pass per burst of engine outputs
-                try:
-                    items.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
+            items += self._drain()  # what is already there: one pass per burst of engine outputs
             for n, item in enumerate(coalesce_outputs(items)):  # a request's updates waiting together: one response
                 if n % _RESPONSES_PER_PASS == 0:
                     self._engine.gate.pass_()  # the engine loop's CPU work goes first (backend/loop_gate.py)
@@ -99,6 +95,15 @@ class ResponseLoop:
             self._housekeeping(time.monotonic())
         self._fail_all("request aborted: the model is unloading", pb_utils.TritonError.UNAVAILABLE)
         self._flush_metrics()
+
+    def _drain(self) -> list:
+        """Everything already in the queue, without waiting."""
+        items = []
+        while True:
+            try:
+                items.append(self.queue.get_nowait())
+            except queue.Empty:
+                return items
 
     def _flush_metrics(self) -> None:
         try:
@@ -208,12 +213,7 @@ class ResponseLoop:
             self._engine.flush_outputs()
         except Exception as err:  # a broken output thread must not keep the other requests waiting
             pb_utils.Logger.log_warn(f"tandem: engine outputs not flushed: {err!r}")
-        items = []
-        while True:
-            try:
-                items.append(self.queue.get_nowait())
-            except queue.Empty:
-                break
+        items = self._drain()
         for item in coalesce_outputs([i for i in items if i is not _STOP]):
             self._safe_handle(item)
         if any(i is _STOP for i in items):
