@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 
 from loadtest.server_metrics import GENERATED, KV_USAGE, RUNNING, WAITING, ServerMetrics
 
@@ -37,10 +38,20 @@ class ServerWatch:
         self._thread.start()
         return self
 
-    def stop(self) -> dict:
+    def stop(self, settle_s: float = 2.0, poll_s: float = 0.25) -> dict:
+        """The counters' end point once the token counter stops moving (at most settle_s): the server adds up its
+        counters in the model and sends them to Triton on a timer, so the tokens of the last responses a client
+        saw can reach the endpoint a moment after the run ends."""
         self._stop.set()
         self._thread.join(timeout=10 * self.interval_s + 10)
-        self._scrape()  # the counters' end point
+        self._scrape()
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            before = self.samples[-1].get(GENERATED) if self.samples else None
+            time.sleep(poll_s)
+            self._scrape()
+            if before is not None and self.samples[-1].get(GENERATED) == before:
+                break
         return self.summary()
 
     def _run(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -258,6 +259,26 @@ def test_server_watch_summary_counts_deltas_and_gauge_statistics():
     watch.samples, watch.errors = [{}], []
     watch._scrape()  # nothing listens on port 9: the error is kept, the watch goes on
     assert watch.errors and watch.summary()["error"].startswith("URLError")
+
+
+def test_server_watch_end_point_waits_for_the_token_counter_to_settle():
+    """stop() keeps scraping while the token counter still moves (the server flushes its counters on a timer), so
+    tokens of the last responses count; it ends at the first unchanged pair, or at settle_s."""
+    from loadtest.server_watch import GENERATED, ServerWatch
+
+    watch = ServerWatch("http://127.0.0.1:9/metrics", "llm")
+    values = iter([100.0, 260.0, 266.0, 268.0, 268.0, 999.0])
+    watch.metrics.scrape = lambda: [(GENERATED, {}, next(values))]
+    watch.start()  # 100: the starting point
+    summary = watch.stop(settle_s=5.0, poll_s=0.01)
+    assert summary["generated_tokens"] == 168.0 and summary["samples"] == 5
+    stuck = ServerWatch("http://127.0.0.1:9/metrics", "llm")
+    counter = iter(range(1000))
+    stuck.metrics.scrape = lambda: [(GENERATED, {}, float(next(counter)))]
+    stuck.start()
+    started = time.monotonic()
+    stuck.stop(settle_s=0.2, poll_s=0.01)  # a counter that never settles: bounded by settle_s
+    assert time.monotonic() - started < 2.0
 
 
 def test_server_watch_averages_ratios_and_adds_counts_over_instances():
