@@ -87,14 +87,15 @@ def test_8b_shape_async_equals_sync():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs compute capability 9.0")
-@pytest.mark.parametrize("linear_backend", ["auto", "triton"])
-def test_dependent_launch_gives_the_same_tokens(linear_backend):
+@pytest.mark.parametrize("linear_backend,num_requests", [("auto", 12), ("triton", 12), ("auto", 32)])
+def test_dependent_launch_gives_the_same_tokens(linear_backend, num_requests):
     """Llama-3.2-1B shape, random bf16 weights: the same kernels launched as programmatic dependents give the
     same tokens, bit for bit, in both pipeline modes (linear_backend=triton: every decode GEMM is a Triton
-    kernel too, so whole layers run as one chain of dependents)."""
-    prompts = [list(range(20 + 7 * i, 84 + 7 * i)) for i in range(12)]
+    kernel too, so whole layers run as one chain of dependents). 12 and 32 requests: the H200 tables' 16- and
+    32-row entries (parked qkv, o and down; gate_up fused with SiLU-and-mul)."""
+    prompts = [list(range(20 + 7 * i, 84 + 7 * i)) for i in range(num_requests)]
     kw = dict(model="random:llama-3.2-1b", dtype="bfloat16", max_model_len=256, num_kv_blocks=256,
-              max_num_seqs=12, linear_backend=linear_backend)
+              max_num_seqs=num_requests, linear_backend=linear_backend)
 
     def tokens(**settings):
         engine = Engine(EngineConfig(**kw, **settings))

@@ -558,7 +558,10 @@ def test_tuned_linear_silu_and_mul_fuses_only_listed_shapes(monkeypatch):
     assert calls.pop() == ("fused", tlin.H200_GATED_CONFIGS[(16384, 2048, 64)])
     assert tlin.tuned_linear_silu_and_mul(rows(16, 2048), gate_up) == "fused"
     assert calls.pop() == ("fused", tlin.H200_GATED_CONFIGS[(16384, 2048, 16)])
-    assert tlin.tuned_linear_silu_and_mul(rows(32, 2048), gate_up) == "silu(gemm)"  # in the GEMM table only
+    assert tlin.tuned_linear_silu_and_mul(rows(32, 2048), gate_up) == "fused"
+    assert calls.pop() == ("fused", tlin.H200_GATED_CONFIGS[(16384, 2048, 32)])
+    qkv_8b = types.SimpleNamespace(shape=(6144, 4096))
+    assert tlin.tuned_linear_silu_and_mul(rows(16, 4096), qkv_8b) == "silu(gemm)"  # in the GEMM table only
     assert tlin.tuned_linear_silu_and_mul(rows(64, 2048), gate_up, torch.zeros(16384)) == "silu(gemm)"
     assert tlin.tuned_linear_silu_and_mul(rows(64, 4096), types.SimpleNamespace(shape=(999, 4096))) == "silu(gemm)"
     monkeypatch.setattr(tlin, "_capability", lambda index: (8, 0))
