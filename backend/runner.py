@@ -57,10 +57,57 @@ class ModelRunner:
         self.vocab_size = model.spec.vocab_size
         self.sampler.vocab_hash(self.vocab_size, device)  # cached before any graph capture
         self._arange = np.arange(layout.max_seqs + 1)  # query_start_loc and logits_idx of decode-only steps
+        if device.type == "cuda":
+            self.warm_up_prefill()  # before the capture, whose own warm-up resets the inputs it reads
         self.graphs: DecodeGraphs | None = None
         if use_graphs:  # without CUDA: the same decode-graph step, run eagerly
             self.graphs = DecodeGraphs(self, max_graph_batch)
             self.graphs.capture_all()
+
+    def warm_up_prefill(self) -> list[tuple[int, int]]:
+        """Run the eager forward (prefill, mixed and penalised steps) on harmless inputs; returns its (sequences,
+        tokens each) shapes.
+
+        Decode graphs compile their kernels when they are captured, but only for the buckets' row counts; the eager
+        path's kernels would otherwise compile inside the first requests that need them, and a compile stops the
+        loop for a few hundred milliseconds. Every sequence lives in the null block, as in the graphs' capture."""
+        shapes = self._warm_up_shapes()
+        slot = self.pipeline.slots[0]
+        d = slot.dev
+        with torch.no_grad():
+            for num_seqs, q in shapes:
+                t = num_seqs * q
+                d["positions"][:t].copy_(torch.arange(q, device=self.device).repeat(num_seqs))
+                d["seq_lens"][:num_seqs].fill_(q)
+                d["query_start_loc"][:num_seqs + 1].copy_(
+                    torch.arange(0, t + 1, q, dtype=torch.int32, device=self.device))
+                d["logits_idx"][:num_seqs].copy_(torch.arange(q - 1, t, q, device=self.device))
+                meta = self.metadata(slot, num_seqs, t, -(-q // self.block_size), q, q)
+                hidden = self.model(d["input_ids"][:t], d["positions"][:t], self.kv_cache, meta)
+                self.model.compute_logits(hidden[d["logits_idx"][:num_seqs]])
+            for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables", "query_start_loc",
+                         "logits_idx"):
+                d[name].zero_()  # as the slot was made: a step's pack writes only the parts it changes
+            slot.table_owners = [None] * len(slot.table_owners)  # so the next pack writes whole block-table rows
+        if self.device.type == "cuda":
+            # why: the first step's host-to-device copies run on another stream and must not race these resets
+            torch.cuda.synchronize(self.device)
+        return shapes
+
+    def _warm_up_shapes(self) -> list[tuple[int, int]]:
+        """Steps whose kernels the decode graphs do not compile, each kept if the step's token budget, the
+        sequence limit and the block table allow it: one 17-token prompt (prefill attention); three of 12 (36
+        rows: the decode GEMMs at 33-63 rows, where the graphs have only 48 and 64, which Triton compiles apart
+        as multiples of 16); 37 one-token rows (decode attention without splits, as eager decode steps run it);
+        37 two-token rows (74 rows: cuBLAS beside the norm, rope and SiLU kernels on summed outputs, and the LM
+        head at 37 rows)."""
+        lay = self.layout
+        longest = min(lay.max_tokens, lay.max_blocks * self.block_size)
+        shapes = [(1, min(17, longest))]
+        for num_seqs, q in ((3, 12), (37, 1), (37, 2)):
+            if num_seqs <= lay.max_seqs and num_seqs * q <= lay.max_tokens and q <= longest:
+                shapes.append((num_seqs, q))
+        return shapes
 
     def release(self) -> None:
         """Drop the device memory this runner holds (the engine has stopped)."""

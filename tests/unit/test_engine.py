@@ -52,6 +52,41 @@ def test_greedy_batch_equals_transformers(root, family, async_pipeline, graphs):
         engine.shutdown()
 
 
+class _ForwardRecorder:
+    """Wraps a model: records (tokens, longest query) of each forward, delegates everything else."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __call__(self, ids, positions, kv_cache, meta):
+        self.calls.append((ids.shape[0], int(meta.max_query_len)))
+        return self.model(ids, positions, kv_cache, meta)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("budget,want_shapes", [(2048, [(1, 17), (3, 12), (37, 1), (37, 2)]), (40, [(1, 17), (3, 12), (37, 1)]),
+                                                (24, [(1, 17)]), (8, [(1, 8)])])
+def test_prefill_warm_up_runs_in_budget_and_leaves_requests_exact(root, budget, want_shapes):
+    """The eager forward's start-up warm-up (CUDA engines run it before the graphs are captured, so the first
+    requests compile nothing): the shapes that fit the step's token budget and sequence limit, all in the null
+    block; afterwards no KV block is held and greedy tokens still equal transformers'."""
+    path = build_tiny("llama", root)
+    prompts = random_prompts([3, 30, 9, 57])
+    want = [hf_greedy(path, p, 12) for p in prompts]
+    engine = make_engine(path, True, max_num_batched_tokens=budget, max_num_seqs=min(budget, 48))
+    try:
+        recorder = _ForwardRecorder(engine.runner.model)
+        engine.runner.model = recorder
+        assert engine.runner.warm_up_prefill() == want_shapes
+        assert recorder.calls == [(n * q, q) for n, q in want_shapes]
+        assert engine.block_manager.num_used_blocks == 0
+        assert [o.token_ids for o in engine.generate(prompts, greedy(12))] == want
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("async_pipeline", MODES)
 @pytest.mark.parametrize("batch", [1, 16])
 def test_batch_sizes(root, async_pipeline, batch):
