@@ -189,9 +189,9 @@ H200_PARKED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
 # gate_up with SiLU-and-mul in the epilogue (linear_silu_and_mul; block_n counts the rows of both halves). Timed as
 # 8 dependent launches in a row (`--linear --gated --chain 8 --pdl`), TB/s of W, against the table's GEMM followed
 # by the SiLU-and-mul kernel (or cuBLAS and SiLU-and-mul where the GEMM table has no entry): 1B at 16 rows 3.78
-# (3.57), at 32 rows 3.67 (cuBLAS 3.17; ninth GPU session), at 64 rows 3.45 (3.24); 8B at 16 / 32 / 64 rows 4.11 / 4.01 / 3.83 (3.99 / 3.91 / 3.53). With the GEMM
-# table's 64-row tile at 16 rows the fused 1B kernel ran at 2.98, slower than the two kernels, so only measured
-# shapes fuse.
+# (3.57), at 32 rows 3.67 (cuBLAS 3.17; ninth GPU session), at 64 rows 3.45 (3.24); 8B at 16 / 32 / 64 rows 4.11 /
+# 4.01 / 3.83 (3.99 / 3.91 / 3.53). With the GEMM table's 64-row tile at 16 rows the fused 1B kernel ran at 2.98,
+# slower than the two kernels, so only measured shapes fuse.
 H200_GATED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
     (16384, 2048, 16): LinearConfig(128, 128, 4, 4),
     (16384, 2048, 32): LinearConfig(128, 128, 4, 4),

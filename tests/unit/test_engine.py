@@ -66,8 +66,8 @@ class _ForwardRecorder:
         return getattr(self.model, name)
 
 
-@pytest.mark.parametrize("budget,want_shapes", [(2048, [(1, 17), (3, 12), (37, 1), (37, 2)]), (40, [(1, 17), (3, 12), (37, 1)]),
-                                                (24, [(1, 17)]), (8, [(1, 8)])])
+@pytest.mark.parametrize("budget,want_shapes", [(2048, [(1, 17), (3, 12), (37, 1), (37, 2)]),
+                                                (40, [(1, 17), (3, 12), (37, 1)]), (24, [(1, 17)]), (8, [(1, 8)])])
 def test_prefill_warm_up_runs_in_budget_and_leaves_requests_exact(root, budget, want_shapes):
     """The eager forward's start-up warm-up (CUDA engines run it before the graphs are captured, so the first
     requests compile nothing): the shapes that fit the step's token budget and sequence limit, all in the null
