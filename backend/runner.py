@@ -82,9 +82,7 @@ class ModelRunner:
                 d["query_start_loc"][:num_seqs + 1].copy_(
                     torch.arange(0, t + 1, q, dtype=torch.int32, device=self.device))
                 d["logits_idx"][:num_seqs].copy_(torch.arange(q - 1, t, q, device=self.device))
-                meta = self.metadata(slot, num_seqs, t, -(-q // self.block_size), q, q)
-                hidden = self.model(d["input_ids"][:t], d["positions"][:t], self.kv_cache, meta)
-                self.model.compute_logits(hidden[d["logits_idx"][:num_seqs]])
+                self._eager_forward(slot, num_seqs, t, -(-q // self.block_size), q, q, None, num_seqs)
             for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables", "query_start_loc",
                          "logits_idx"):
                 d[name].zero_()  # as the slot was made: a step's pack writes only the parts it changes
@@ -322,8 +320,8 @@ class ModelRunner:
             if bucket is not None:
                 logits = self.graphs.replay(slot, bucket, width, max_len)  # carry-over + forward + logits
             else:
-                logits = self._eager_forward(slot, B, T, width, max_len, batch, prev_slot if has_carry else None,
-                                             len(st.sampled))
+                logits = self._eager_forward(slot, B, T, width, max_len, max(batch.num_new_tokens),
+                                             prev_slot if has_carry else None, len(st.sampled))
             if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
                 return 0
             if bucket is not None and banned is None and sampling.all_greedy and sampling.num_logprobs < 0:
@@ -382,10 +380,9 @@ class ModelRunner:
             max_seq_len=max_seq_len,
         )
 
-    def _eager_forward(self, slot: Slot, B: int, T: int, width: int, max_len: int, batch: ScheduledBatch,
+    def _eager_forward(self, slot: Slot, B: int, T: int, width: int, max_len: int, max_q: int,
                        prev_slot: Slot | None, num_sampled: int) -> torch.Tensor:
         ids = self.carry_over(slot, prev_slot, T)
-        max_q = max(batch.num_new_tokens)
         meta = self.metadata(slot, B, T, width, max_q, max_len)
         hidden = self.model(ids, slot.dev["positions"][:T], self.kv_cache, meta)  # (T, H)
         return self.model.compute_logits(hidden[slot.dev["logits_idx"][:num_sampled]])  # (N, V)
