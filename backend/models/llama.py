@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
             residual, x = h, ops.rms_norm(h, self.input_norm, eps)
         else:
             x, residual = ops.add_rms_norm(h, residual, self.input_norm, eps)
-        # without the q/k norms only rope_write_kv reads qkv, and it can add split-K partials itself
+        # without the q/k norms only rope_attention reads qkv, and it can add split-K partials itself
         linear = ops.linear if self.q_norm is not None else ops.linear_parked
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # (T, (Hq + 2 Hkv) D), or its partial sums
         q, k, v = qkv.split(model.qkv_sizes, dim=-1)
@@ -67,8 +67,8 @@ class DecoderLayer(nn.Module):
         v = v.view(t, spec.num_kv_heads, spec.head_dim)  # (T, Hkv, D)
         if self.q_norm is not None:
             q, k = ops.rms_norm(q, self.q_norm, eps), ops.rms_norm(k, self.k_norm, eps)
-        q = ops.rope_write_kv(q, k, v, positions, model.cos_sin_cache, kv_layer, meta.slot_mapping)
-        attn = ops.paged_attention(q, None, None, kv_layer, meta, model.scale)  # (T, Hq, D); K/V from the cache
+        # rotary embedding, this step's K/V into the cache, then attention over the cache: (T, Hq, D)
+        attn = ops.rope_attention(q, k, v, positions, model.cos_sin_cache, kv_layer, meta, model.scale)
         h = ops.linear_parked(attn.reshape(t, -1), self.o_weight, self.o_bias)  # (T, H) or its partial sums
         x, residual = ops.add_rms_norm(h, residual, self.post_norm, eps)
         act = ops.linear_silu_and_mul(x, self.gate_up_weight, self.gate_up_bias)  # (T, I)

@@ -24,6 +24,9 @@ class Ops:
     rms_norm: Callable
     add_rms_norm: Callable
     rope_write_kv: Callable  # rotary embedding + this step's K/V into the cache; returns the rotated q
+    # (q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale): rope_write_kv, then paged_attention of the
+    # rotated q with k = v = None; one kernel for decode steps where it can
+    rope_attention: Callable
     silu_and_mul: Callable
     linear: Callable  # (x, weight, bias=None, out=None): F.linear, optionally into a preallocated 2-D out
     # (x, weight, bias=None): a linear whose output only feeds add_rms_norm or rope_write_kv, which read it anyway;
@@ -36,9 +39,13 @@ class Ops:
 
 def _from_modules(name: str, attention: Callable, layers, linear: Callable = _torch_layers.linear,
                   greedy_argmax: Callable = _torch_layers.greedy_argmax, linear_parked: Callable | None = None,
-                  linear_silu_and_mul: Callable | None = None) -> Ops:
+                  linear_silu_and_mul: Callable | None = None, rope_attention: Callable | None = None) -> Ops:
     def unfused_linear_silu_and_mul(x, gate_up_weight, bias=None):
         return layers.silu_and_mul(linear(x, gate_up_weight, bias))
+
+    def unfused_rope_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale):
+        q = layers.rope_write_kv(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta.slot_mapping)
+        return attention(q, None, None, kv_cache_layer, meta, scale)
 
     return Ops(
         name=name,
@@ -46,6 +53,7 @@ def _from_modules(name: str, attention: Callable, layers, linear: Callable = _to
         rms_norm=layers.rms_norm,
         add_rms_norm=layers.add_rms_norm,
         rope_write_kv=layers.rope_write_kv,
+        rope_attention=rope_attention or unfused_rope_attention,
         silu_and_mul=layers.silu_and_mul,
         linear=linear,
         linear_parked=linear_parked or linear,
@@ -77,7 +85,7 @@ def get_ops(backend: str, linear_backend: str = "auto", dependent_launch: bool =
 def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
     # imported lazily: triton is absent on CPU-only machines
     from backend.ops import triton_argmax, triton_layers, triton_linear
-    from backend.ops.triton_attention import paged_attention as triton_paged_attention
+    from backend.ops.triton_attention import paged_attention as triton_paged_attention, rope_paged_attention
 
     def bind(fn: Callable) -> Callable:
         return functools.partial(fn, pdl=True) if pdl else fn
@@ -90,7 +98,7 @@ def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
              "triton": bind(triton_linear.linear_silu_and_mul), "cublas": None}[linear_backend]
     name = "triton+pdl" if pdl else "triton"
     return _from_modules(name, bind(triton_paged_attention), layers, linear, bind(triton_argmax.greedy_argmax),
-                         parking, gated)
+                         parking, gated, bind(rope_paged_attention))
 
 
 class _BoundLayers(NamedTuple):

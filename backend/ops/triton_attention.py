@@ -12,8 +12,11 @@ except ImportError as exc:  # the dispatcher catches this and keeps the plain-to
     raise ImportError("backend.ops.triton_attention needs the `triton` package") from exc
 
 from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
+from backend.ops.triton_layers import (load_summed, rope_cos_sin, rope_rotate, rope_write_kv,  # noqa: E402
+                                       unpack_qkv)
 
-__all__ = ["paged_attention", "write_kv_cache", "decode_attention", "prefill_attention", "choose_num_splits"]
+__all__ = ["paged_attention", "rope_paged_attention", "write_kv_cache", "decode_attention", "rope_decode_attention",
+           "prefill_attention", "choose_num_splits"]
 
 _LOG2E = 1.4426950408889634
 
@@ -131,10 +134,16 @@ def _decode_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2 (exp2 is one instruction)
     num_splits, stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_rot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+    stride_part,
     HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, PARTS: tl.constexpr,
 ):
-    # DIRECT: a single split writes the normalised output itself and no reduce kernel runs
+    # DIRECT: a single split writes the normalised output itself and no reduce kernel runs.
+    # ROPE: q, k and v are this step's unrotated projections (PARTS > 0: split-K partials, stride_part apart); the
+    # program rotates them and writes the new K/V itself (rope_write_kv fused in front). q_rot_ptr: a (T, HQ, D)
+    # buffer with the output's strides for the rotated q.
     allow_dependents(PDL)
     dependent_wait(PDL)
     b = tl.program_id(0)
@@ -150,14 +159,39 @@ def _decode_kernel(
     g_mask = offs_g < G
     d_mask = offs_d < D
     heads = kvh * G + offs_g
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (G_PAD, D_PAD)
 
     # Each sequence splits its own length (not the batch maximum) evenly, in whole tiles.
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    if ROPE:
+        # rope_write_kv's work for this token and KV head, with its code: q's G heads rotated into q_rot_ptr (also
+        # by every other split of the sequence: the same bits), k and v into their cache slot by the split that
+        # holds the new token. Then the loop below runs unchanged, reading them back.
+        HALF: tl.constexpr = D // 2
+        HALF_PAD: tl.constexpr = D_PAD // 2
+        cos, sin, offs_j, j_mask = rope_cos_sin(cos_sin_ptr, pos_ptr, row, stride_cos, HALF, HALF_PAD)
+        rope_rotate(q_ptr + kvh * G * stride_qh, q_rot_ptr + kvh * G * stride_oh, row, stride_qt, stride_qh,
+                    stride_ot, stride_oh, cos, sin, offs_j, j_mask, G, G_PAD, HALF, stride_part, PARTS)
+        last = seq_len - 1  # the new token's position
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        if (start <= last) & (last < end) & (slot >= 0):  # a negative slot means "do not cache"
+            dst = cache_ptr + (slot // BS) * stride_cb + (slot % BS) * stride_cs + kvh * stride_ch
+            rope_rotate(k_ptr + kvh * stride_kh, dst, row, stride_kt, 0, 0, 0, cos, sin, offs_j, j_mask, 1, 1, HALF,
+                        stride_part, PARTS)
+            v = load_summed(v_ptr + row * stride_vt + kvh * stride_vh + offs_d, d_mask, stride_part, PARTS,
+                            cache_ptr.dtype.element_ty)
+            tl.store(dst + stride_ckv + offs_d, v, mask=d_mask)
+        # why: the stores above are read back below by other threads of this program; a CTA barrier makes a
+        # thread's global writes visible to the whole CTA
+        tl.debug_barrier()
+        q = tl.load(q_rot_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (G_PAD, D_PAD)
+    else:
+        q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (G_PAD, D_PAD)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -227,6 +261,30 @@ def _decode_reduce_kernel(
 def decode_attention(q, kv_cache_layer, meta, scale, out=None, *, num_splits=None, block_n=None,
                      num_warps=None, num_stages=None, pdl: bool = False):
     """Paged decode attention (one query token per sequence) over the cache; split-K with a reduce kernel."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return _decode(q, kv_cache_layer, meta, scale, out, None, num_splits, block_n, num_warps, num_stages, pdl)
+
+
+def rope_decode_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale, *, num_splits=None,
+                          block_n=None, num_warps=None, num_stages=None, pdl: bool = False):
+    """rope_write_kv followed by decode_attention, in one kernel: the same output and cache bits.
+
+    q (T, Hq, D), k and v (T, Hkv, D) unrotated, or all three views of one split-K qkv GEMM's partials
+    (PartialSums). Each program first does rope_write_kv's work for its sequence and KV head, with the same code:
+    q's heads of the group rotated into a scratch buffer, and by the split that holds the new token the rotated k
+    and v into their cache slot; then, after a CTA barrier, decode_attention's loop reads them back."""
+    (q, k, v), dtype, parts, stride_part = unpack_qkv(q, k, v, kv_cache_layer.dtype)
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    out = _alloc(tuple(q.shape), dtype, q.device)
+    q_rot = _alloc(tuple(q.shape), dtype, q.device)  # strides equal out's: the kernel indexes both alike
+    rope = (k, v, positions, cs, meta.slot_mapping, q_rot, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cs.stride(0), stride_part, parts)
+    return _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_warps, num_stages, pdl)
+
+
+def _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_warps, num_stages, pdl):
+    """Launch the decode kernel (and the reduce when it splits); rope: the fused rotary + KV-write inputs or None."""
     T, HQ, D = q.shape
     _, _, BS, HKV, _ = kv_cache_layer.shape
     B = meta.seq_lens.shape[0]
@@ -235,8 +293,6 @@ def decode_attention(q, kv_cache_layer, meta, scale, out=None, *, num_splits=Non
         out = _alloc((T, HQ, D), q.dtype, q.device)
     if B == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     if num_splits is None:
         num_splits = choose_num_splits(B, HKV, int(meta.max_seq_len), _sm_count(q.device))
     D_PAD = max(16, triton.next_power_of_2(D))
@@ -249,15 +305,17 @@ def decode_attention(q, kv_cache_layer, meta, scale, out=None, *, num_splits=Non
         part_l = _alloc((B, HQ, num_splits), torch.float32, q.device)
     else:
         part_acc = part_m = part_l = out  # unused: the kernel writes the output directly
+    fused = rope is not None
+    *rope_args, parts = rope if fused else (q, q, q, q, q, q, 0, 0, 0, 0, 0, 0, 0)  # unused without ROPE
     _decode_kernel[(B, HKV, num_splits)](
         q, c, bt, meta.seq_lens, meta.query_start_loc, out, part_acc, part_m, part_l,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3), bt.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *rope_args,
         HQ=HQ, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
-        DIRECT=num_splits == 1, DOT_PREC=_dot_precision(q.dtype), PDL=pdl,
-        num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or _stages(DECODE_NUM_STAGES, q.dtype),
-        launch_pdl=pdl,
+        DIRECT=num_splits == 1, DOT_PREC=_dot_precision(c.dtype), PDL=pdl, ROPE=fused,
+        PARTS=parts, num_warps=num_warps or DECODE_NUM_WARPS,
+        num_stages=num_stages or _stages(DECODE_NUM_STAGES, c.dtype), launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](
@@ -377,13 +435,36 @@ def prefill_attention(q, kv_cache_layer, meta, scale, out=None, *, block_m=None,
     return out
 
 
+def rope_paged_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale, *, pdl: bool = False):
+    """rope_write_kv, then paged_attention of the rotated q over the cache; returns (T, Hq, D).
+
+    q, k, v as rope_write_kv takes them (tensors, or views of one GEMM's partial sums). A decode step runs both in
+    one kernel (rope_decode_attention) while its grid is one wave of programs; other steps run the two kernels."""
+    _check_heads(q, kv_cache_layer)
+    if int(meta.max_query_len) == 1 and _rope_fuses(meta.seq_lens.shape[0], kv_cache_layer.shape[3], q.device):
+        return rope_decode_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale, pdl=pdl)
+    q = rope_write_kv(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta.slot_mapping, pdl=pdl)
+    return paged_attention(q, None, None, kv_cache_layer, meta, scale, pdl=pdl)
+
+
+def _rope_fuses(batch: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether a decode step takes the fused rope + attention kernel: only while the programs before splitting fit
+    one wave (about DECODE_PROGRAMS_PER_SM an SM). Each program pays the rotary prologue's latency, so every wave
+    pays it again: on the H200 the fused kernel gained at 32 and 64 sequences × 8 KV heads and lost at 256."""
+    return batch * num_kv_heads <= DECODE_PROGRAMS_PER_SM * _sm_count(device)
+
+
+def _check_heads(q, kv_cache_layer) -> None:
+    if q.shape[1] % kv_cache_layer.shape[3]:
+        raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({kv_cache_layer.shape[3]})")
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache_layer: torch.Tensor,
                     meta, scale: float, *, pdl: bool = False) -> torch.Tensor:
     """Write k/v (T, Hkv, D) into the paged cache, then attend q (T, Hq, D) causally; returns (T, Hq, D).
 
     k and v None: this step's K/V are already in the cache (rope_write_kv put them there)."""
-    if q.shape[1] % kv_cache_layer.shape[3]:
-        raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({kv_cache_layer.shape[3]})")
+    _check_heads(q, kv_cache_layer)
     if k is not None:
         write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping, pdl=pdl)
     if int(meta.max_query_len) == 1:

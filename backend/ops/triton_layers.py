@@ -12,7 +12,8 @@ except ImportError as exc:  # the dispatcher catches this and keeps the plain-to
 from backend.ops.partial_sums import PartialSums  # noqa: E402  (after the guarded import)
 from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402
 
-__all__ = ["rms_norm", "add_rms_norm", "apply_rope", "rope_write_kv", "silu_and_mul"]
+__all__ = ["rms_norm", "add_rms_norm", "apply_rope", "rope_write_kv", "silu_and_mul", "unpack_qkv", "load_summed",
+           "rope_cos_sin", "rope_rotate"]
 
 
 def _alloc(shape, dtype, device):
@@ -32,7 +33,7 @@ def _row_warps(block: int) -> int:
 
 
 @triton.jit
-def _load_summed(ptr, mask, stride_part, PARTS: tl.constexpr, ty: tl.constexpr):
+def load_summed(ptr, mask, stride_part, PARTS: tl.constexpr, ty: tl.constexpr):
     """A (…) block of y, or with PARTS > 0 of a split-K GEMM's fp32 partials added in split order and rounded to
     ty once, as the GEMM would have written y (PartialSums)."""
     if PARTS:
@@ -60,7 +61,7 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     # with PARTS, x arrives as a split-K GEMM's fp32 partials: added in split order and rounded once, as the GEMM would
-    x = _load_summed(x_ptr + row * stride_x + offs, mask, stride_part, PARTS, sum_ptr.dtype.element_ty)
+    x = load_summed(x_ptr + row * stride_x + offs, mask, stride_part, PARTS, sum_ptr.dtype.element_ty)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         # rounded to the sum's dtype before the norm, as `hidden = hidden + residual` does in torch
@@ -121,14 +122,14 @@ def add_rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: 
 # RoPE (neox / HF rotate_half): q and k of one token in one program, one launch for both
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
-def _rope_rotate(src_ptr, dst_ptr, t, stride_t, stride_h, stride_ot, stride_oh, cos, sin, offs_j, j_mask,
-                 H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, stride_part, PARTS: tl.constexpr):
+def rope_rotate(src_ptr, dst_ptr, t, stride_t, stride_h, stride_ot, stride_oh, cos, sin, offs_j, j_mask,
+                H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, stride_part, PARTS: tl.constexpr):
     offs_h = tl.arange(0, H_PAD)
     mask = (offs_h < H)[:, None] & j_mask[None, :]
     src = src_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_j[None, :]
     ty = dst_ptr.dtype.element_ty
-    x1 = _load_summed(src, mask, stride_part, PARTS, ty).to(tl.float32)
-    x2 = _load_summed(src + HALF, mask, stride_part, PARTS, ty).to(tl.float32)
+    x1 = load_summed(src, mask, stride_part, PARTS, ty).to(tl.float32)
+    x2 = load_summed(src + HALF, mask, stride_part, PARTS, ty).to(tl.float32)
     dst = dst_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_j[None, :]
     # HF (and the torch path) cast cos/sin to the activations' dtype before rotating: same rounding here
     cos = cos.to(ty).to(tl.float32)
@@ -138,7 +139,7 @@ def _rope_rotate(src_ptr, dst_ptr, t, stride_t, stride_h, stride_ot, stride_oh, 
 
 
 @triton.jit
-def _rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+def rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
     """Token t's cos and sin rows (fp32) from the [cos | sin] cache, with the half-dim offsets and mask."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_j = tl.arange(0, HALF_PAD)
@@ -158,11 +159,11 @@ def _rope_kernel(
     allow_dependents(PDL)
     dependent_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
-    cos, sin, offs_j, j_mask = _rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
-    _rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
-                 HQ, HQ_PAD, HALF, 0, 0)
-    _rope_rotate(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin, offs_j, j_mask,
-                 HK, HK_PAD, HALF, 0, 0)
+    cos, sin, offs_j, j_mask = rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
+    rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
+                HQ, HQ_PAD, HALF, 0, 0)
+    rope_rotate(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin, offs_j, j_mask,
+                HK, HK_PAD, HALF, 0, 0)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *,
@@ -204,34 +205,29 @@ def _rope_write_kv_kernel(
     allow_dependents(PDL)
     dependent_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
-    cos, sin, offs_j, j_mask = _rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
-    _rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
-                 HQ, HQ_PAD, HALF, stride_part, PARTS)
+    cos, sin, offs_j, j_mask = rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
+    rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
+                HQ, HQ_PAD, HALF, stride_part, PARTS)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # a negative slot means "do not cache", as in write_kv_cache
         dst = cache_ptr + (slot // BS) * stride_cb + (slot % BS) * stride_cslot
         # the rotated k goes straight to its cache slot (token stride 0: dst already points at the slot)
-        _rope_rotate(k_ptr, dst, t, stride_kt, stride_kh, 0, stride_ch, cos, sin, offs_j, j_mask, HK, HK_PAD, HALF,
-                     stride_part, PARTS)
+        rope_rotate(k_ptr, dst, t, stride_kt, stride_kh, 0, stride_ch, cos, sin, offs_j, j_mask, HK, HK_PAD, HALF,
+                    stride_part, PARTS)
         offs_h = tl.arange(0, HK_PAD)
         offs_d = tl.arange(0, D_PAD)
         mask = (offs_h < HK)[:, None] & (offs_d < D)[None, :]
-        v = _load_summed(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask, stride_part,
-                         PARTS, cache_ptr.dtype.element_ty)
+        v = load_summed(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask, stride_part,
+                        PARTS, cache_ptr.dtype.element_ty)
         tl.store(dst + stride_ckv + offs_h[:, None] * stride_ch + offs_d[None, :],
                  v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def rope_write_kv(q: torch.Tensor | PartialSums, k: torch.Tensor | PartialSums, v: torch.Tensor | PartialSums,
-                  positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor,
-                  slot_mapping: torch.Tensor, *, pdl: bool = False):
-    """apply_rope on q and k, then k and v into the paged cache (2, NB, BS, Hkv, D) at slot_mapping: one launch.
+def unpack_qkv(q, k, v, cache_dtype: torch.dtype):
+    """q, k, v as tensors with unit stride along the head dim, plus (dtype, parts, stride_part) for the kernels.
 
-    q (T, Hq, D), k and v (T, Hkv, D) may instead all be views of one split-K qkv GEMM's partials (PartialSums,
-    from triton_linear's park): added up here first. Returns the rotated q (T, Hq, D); the rotated k exists only
-    in the cache."""
-    T, HQ, D = q.shape
-    HK = k.shape[1]
+    All three may instead be views of one split-K qkv GEMM's partials (PartialSums): then the tensors returned are
+    views of the first split, the others stride_part elements on, and parts is the split count (0: plain tensors)."""
     parked = [isinstance(t, PartialSums) for t in (q, k, v)]
     if any(parked):
         one_gemm = all(parked) and len({(t.parts.stride(0), t.dtype) for t in (q, k, v)}) == 1
@@ -244,8 +240,22 @@ def rope_write_kv(q: torch.Tensor | PartialSums, k: torch.Tensor | PartialSums, 
     else:
         dtype, parts, stride_part = q.dtype, 0, 0
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if kv_cache_layer.dtype != dtype:
-        raise ValueError(f"the KV cache dtype ({kv_cache_layer.dtype}) must be k's ({dtype})")
+    if cache_dtype != dtype:
+        raise ValueError(f"the KV cache dtype ({cache_dtype}) must be k's ({dtype})")
+    return (q, k, v), dtype, parts, stride_part
+
+
+def rope_write_kv(q: torch.Tensor | PartialSums, k: torch.Tensor | PartialSums, v: torch.Tensor | PartialSums,
+                  positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor,
+                  slot_mapping: torch.Tensor, *, pdl: bool = False):
+    """apply_rope on q and k, then k and v into the paged cache (2, NB, BS, Hkv, D) at slot_mapping: one launch.
+
+    q (T, Hq, D), k and v (T, Hkv, D) may instead all be views of one split-K qkv GEMM's partials (PartialSums,
+    from triton_linear's park): added up here first. Returns the rotated q (T, Hq, D); the rotated k exists only
+    in the cache."""
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    (q, k, v), dtype, parts, stride_part = unpack_qkv(q, k, v, kv_cache_layer.dtype)
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     c = kv_cache_layer
     q_out = _alloc((T, HQ, D), dtype, c.device)

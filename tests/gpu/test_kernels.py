@@ -734,6 +734,70 @@ def test_rope_write_kv_adds_partial_sums_in_split_order(dtype):
         tly.rope_write_kv(q, k, summed[:, :hkv * d].view(t, hkv, d), pos, cos_sin, caches[0], slots)
 
 
+ROPE_DECODE_CASES = [  # (hq, hkv, head_dim, block_size, dtype, num_splits)
+    (32, 8, 64, 16, torch.bfloat16, 1),  # the 1B model's heads
+    (32, 8, 64, 16, torch.bfloat16, 3),
+    (32, 8, 128, 16, torch.bfloat16, 1),  # the 8B model's heads
+    (8, 8, 128, 32, torch.float32, 2),
+    (9, 3, 64, 16, torch.float16, 4),  # a group of 3
+    (4, 2, 96, 16, torch.float32, 2),  # a head_dim that is not a power of two
+]
+
+
+@pytest.mark.parametrize("parked", [False, True])
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,num_splits", ROPE_DECODE_CASES)
+def test_rope_decode_attention_equals_rope_write_kv_then_decode(hq, hkv, d, bs, dtype, num_splits, parked):
+    """The fused kernel gives the bits of rope_write_kv followed by decode_attention: the same output and the same
+    cache (the new K/V in their slots, nothing else written), whichever split holds the new token, also from a
+    GEMM's partial sums."""
+    rng = random.Random(hq + d + num_splits)
+    ctx_lens = [1, 2, 17, 130] + _contexts(3, rng, MAX_CTX)
+    case = Case([(c - 1, 1) for c in ctx_lens], hq, hkv, d, bs, dtype, seed=rng.randint(0, 10**6))
+    t = case.q.shape[0]
+    g = torch.Generator().manual_seed(num_splits)
+    if parked:
+        qkv = PartialSums(torch.randn(3, t, (hq + 2 * hkv) * d, generator=g).to(DEVICE), dtype)
+    else:
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEVICE)
+    q, k, v = _qkv_views(qkv, t, hq, hkv, d)
+    cos_sin = _cos_sin_cache(MAX_CTX + 1, d).to(DEVICE)
+    pos = (case.meta.seq_lens - 1).long()
+    caches = [case.cache.clone() for _ in range(2)]
+    q_rot = tly.rope_write_kv(q, k, v, pos, cos_sin, caches[0], case.meta.slot_mapping)
+    want = ta.decode_attention(q_rot, caches[0], case.meta, case.scale, num_splits=num_splits)
+    got = ta.rope_decode_attention(q, k, v, pos, cos_sin, caches[1], case.meta, case.scale, num_splits=num_splits)
+    assert got.shape == (t, hq, d) and got.dtype == dtype
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+    assert torch.equal(caches[1].nan_to_num(7.0), caches[0].nan_to_num(7.0))  # unwritten slots stay NaN
+
+
+def test_rope_paged_attention_fuses_only_decode_steps_of_one_wave(monkeypatch):
+    """rope_paged_attention takes the fused kernel for decode steps whose programs fit one wave (here 8 SMs × 4
+    programs = 32 ≥ sequences × 2 KV heads), and rope_write_kv + the decode or prefill kernel otherwise, with the
+    same results as the two calls."""
+    hq, hkv, d, bs, dtype = 8, 2, 64, 16, torch.bfloat16
+    g = torch.Generator().manual_seed(4)
+    cos_sin = _cos_sin_cache(MAX_CTX + 1, d).to(DEVICE)
+    fused = []
+    original = ta.rope_decode_attention
+    monkeypatch.setattr(ta, "rope_decode_attention", lambda *a, **kw: fused.append(len(a[0])) or original(*a, **kw))
+    monkeypatch.setattr(ta, "_sm_count", lambda device: 8)
+    for seqs in ([(40, 1), (3, 1)], [(0, 20), (30, 1), (5, 7)], [(i, 1) for i in range(16)],
+                 [(i, 1) for i in range(17)]):
+        case = Case(seqs, hq, hkv, d, bs, dtype, seed=len(seqs))
+        t = case.q.shape[0]
+        q, k, v = _qkv_views(torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEVICE), t, hq, hkv, d)
+        pos = torch.cat([torch.arange(c, c + n) for c, n in seqs]).to(DEVICE)
+        caches = [case.cache.clone() for _ in range(2)]
+        q_rot = tly.rope_write_kv(q, k, v, pos, cos_sin, caches[0], case.meta.slot_mapping)
+        want = ta.paged_attention(q_rot, None, None, caches[0], case.meta, case.scale)
+        got = ta.rope_paged_attention(q, k, v, pos, cos_sin, caches[1], case.meta, case.scale)
+        assert torch.equal(got, want)
+        assert torch.equal(caches[1].nan_to_num(7.0), caches[0].nan_to_num(7.0))
+    assert fused == [2, 16]  # the decode steps of up to 16 sequences
+
+
 @pytest.mark.parametrize("rows,split_k", [(5, 2), (64, 2)])
 def test_parked_qkv_through_rope_write_kv_equals_the_summed_split_k(rows, split_k):
     """The qkv GEMM parked and fed to rope_write_kv writes the same q and cache bits as the split-K GEMM that adds
