@@ -29,7 +29,7 @@ class Ops:
     rope_attention: Callable
     silu_and_mul: Callable
     linear: Callable  # (x, weight, bias=None, out=None): F.linear, optionally into a preallocated 2-D out
-    # (x, weight, bias=None): a linear whose output only feeds add_rms_norm or rope_write_kv, which read it anyway;
+    # (x, weight, bias=None): a linear whose output only feeds add_rms_norm or rope_attention, which read it anyway;
     # it may return split-K partials (PartialSums) for that kernel to add up
     linear_parked: Callable
     # (x, gate_up_weight, bias=None): silu_and_mul(linear(x, gate_up_weight, bias)), in one kernel where it can

@@ -124,6 +124,7 @@ def add_rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: 
 @triton.jit
 def rope_rotate(src_ptr, dst_ptr, t, stride_t, stride_h, stride_ot, stride_oh, cos, sin, offs_j, j_mask,
                 H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, stride_part, PARTS: tl.constexpr):
+    """H heads of token t rotated (neox rotate_half, fp32 math) from src to dst, rounded to dst's dtype."""
     offs_h = tl.arange(0, H_PAD)
     mask = (offs_h < H)[:, None] & j_mask[None, :]
     src = src_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_j[None, :]
