@@ -96,9 +96,9 @@ class ModelRunner:
         """Steps whose kernels the decode graphs do not compile, each kept if the step's token budget, the
         sequence limit and the block table allow it: one 17-token prompt (prefill attention); three of 12 (36
         rows: the decode GEMMs at 33-63 rows, where the graphs have only 48 and 64, which Triton compiles apart
-        as multiples of 16); 37 one-token rows (decode attention without splits, as eager decode steps run it);
-        37 two-token rows (74 rows: cuBLAS beside the norm, rope and SiLU kernels on summed outputs, and the LM
-        head at 37 rows)."""
+        as multiples of 16); 37 one-token rows (decode attention with rotary + KV write fused in, no splits, as
+        eager decode steps run it); 37 two-token rows (74 rows: cuBLAS beside the norm, rope and SiLU kernels on
+        summed outputs, and the LM head at 37 rows)."""
         lay = self.layout
         longest = min(lay.max_tokens, lay.max_blocks * self.block_size)
         shapes = [(1, min(17, longest))]

@@ -20,14 +20,12 @@ class Ops:
     """The functions a model calls; every backend provides the same signatures."""
 
     name: str
-    paged_attention: Callable
     rms_norm: Callable
     add_rms_norm: Callable
-    rope_write_kv: Callable  # rotary embedding + this step's K/V into the cache; returns the rotated q
-    # (q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale): rope_write_kv, then paged_attention of the
-    # rotated q with k = v = None; one kernel for decode steps where it can
+    # (q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale): rotary embedding and this step's K/V into
+    # the cache (rope_write_kv), then paged attention of the rotated q over the cache; one kernel for decode steps
+    # where it can
     rope_attention: Callable
-    silu_and_mul: Callable
     linear: Callable  # (x, weight, bias=None, out=None): F.linear, optionally into a preallocated 2-D out
     # (x, weight, bias=None): a linear whose output only feeds add_rms_norm or rope_attention, which read it anyway;
     # it may return split-K partials (PartialSums) for that kernel to add up
@@ -37,29 +35,28 @@ class Ops:
     greedy_argmax: Callable  # (logits (N, V), out (N,) int64): each row's first maximum into out
 
 
-def _from_modules(name: str, attention: Callable, layers, linear: Callable = _torch_layers.linear,
+def _from_modules(name: str, layers, rope_attention: Callable, linear: Callable = _torch_layers.linear,
                   greedy_argmax: Callable = _torch_layers.greedy_argmax, linear_parked: Callable | None = None,
-                  linear_silu_and_mul: Callable | None = None, rope_attention: Callable | None = None) -> Ops:
+                  linear_silu_and_mul: Callable | None = None) -> Ops:
     def unfused_linear_silu_and_mul(x, gate_up_weight, bias=None):
         return layers.silu_and_mul(linear(x, gate_up_weight, bias))
 
-    def unfused_rope_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale):
-        q = layers.rope_write_kv(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta.slot_mapping)
-        return attention(q, None, None, kv_cache_layer, meta, scale)
-
     return Ops(
         name=name,
-        paged_attention=attention,
         rms_norm=layers.rms_norm,
         add_rms_norm=layers.add_rms_norm,
-        rope_write_kv=layers.rope_write_kv,
-        rope_attention=rope_attention or unfused_rope_attention,
-        silu_and_mul=layers.silu_and_mul,
+        rope_attention=rope_attention,
         linear=linear,
         linear_parked=linear_parked or linear,
         linear_silu_and_mul=linear_silu_and_mul or unfused_linear_silu_and_mul,
         greedy_argmax=greedy_argmax,
     )
+
+
+def _torch_rope_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale):
+    """The plain path's rope_attention: rope_write_kv, then paged_attention of the rotated q over the cache."""
+    q = _torch_layers.rope_write_kv(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta.slot_mapping)
+    return _torch_paged_attention(q, None, None, kv_cache_layer, meta, scale)
 
 
 def get_ops(backend: str, linear_backend: str = "auto", dependent_launch: bool = False) -> Ops:
@@ -79,13 +76,13 @@ def get_ops(backend: str, linear_backend: str = "auto", dependent_launch: bool =
             return _triton_ops(linear_backend, dependent_launch)
         except Exception as exc:  # ImportError, or a triton install that fails to initialise
             logger.warning("triton ops unavailable (%s: %s); using the torch ops", type(exc).__name__, exc)
-    return _from_modules("torch", _torch_paged_attention, _torch_layers)
+    return _from_modules("torch", _torch_layers, _torch_rope_attention)
 
 
 def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
     # imported lazily: triton is absent on CPU-only machines
     from backend.ops import triton_argmax, triton_layers, triton_linear
-    from backend.ops.triton_attention import paged_attention as triton_paged_attention, rope_paged_attention
+    from backend.ops.triton_attention import rope_paged_attention
 
     def bind(fn: Callable) -> Callable:
         return functools.partial(fn, pdl=True) if pdl else fn
@@ -97,8 +94,8 @@ def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
     gated = {"auto": bind(triton_linear.tuned_linear_silu_and_mul),
              "triton": bind(triton_linear.linear_silu_and_mul), "cublas": None}[linear_backend]
     name = "triton+pdl" if pdl else "triton"
-    return _from_modules(name, bind(triton_paged_attention), layers, linear, bind(triton_argmax.greedy_argmax),
-                         parking, gated, bind(rope_paged_attention))
+    return _from_modules(name, layers, bind(rope_paged_attention), linear, bind(triton_argmax.greedy_argmax),
+                         parking, gated)
 
 
 class _BoundLayers(NamedTuple):
@@ -106,7 +103,6 @@ class _BoundLayers(NamedTuple):
 
     rms_norm: Callable
     add_rms_norm: Callable
-    rope_write_kv: Callable
     silu_and_mul: Callable
 
 
