@@ -441,7 +441,9 @@ def rope_paged_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta
     q, k, v as rope_write_kv takes them (tensors, or views of one GEMM's partial sums). A decode step runs both in
     one kernel (rope_decode_attention) while its grid is one wave of programs; other steps run the two kernels."""
     _check_heads(q, kv_cache_layer)
-    if int(meta.max_query_len) == 1 and _rope_fuses(meta.seq_lens.shape[0], kv_cache_layer.shape[3], q.device):
+    # the cache's device, not q's: q may be a view of parked partial sums (PartialSums), which has none
+    if int(meta.max_query_len) == 1 and _rope_fuses(meta.seq_lens.shape[0], kv_cache_layer.shape[3],
+                                                    kv_cache_layer.device):
         return rope_decode_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale, pdl=pdl)
     q = rope_write_kv(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta.slot_mapping, pdl=pdl)
     return paged_attention(q, None, None, kv_cache_layer, meta, scale, pdl=pdl)

@@ -18,20 +18,36 @@ try:
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
     raise ImportError("backend.ops.triton_launch needs the `triton` package") from exc
 
-__all__ = ["allow_dependents", "dependent_wait"]
+__all__ = ["INTERPRET", "allow_dependents", "dependent_wait"]
 
+# Triton's CPU interpreter (TRITON_INTERPRET=1, read when the kernels are defined): kernels take CPU tensors, and
+# each launch runs all its programs to the end before the next launch starts.
+INTERPRET = bool(triton.knobs.runtime.interpret)
 
-@triton.jit
-def allow_dependents(PDL: tl.constexpr):
-    """Let the next kernel's programs start once all of this kernel's programs have started (they never
-    take a slot one of ours still needs: the next kernel launches only after our last program is placed)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+if INTERPRET:
+    # The interpreter has no grid-dependency control, and needs none: a launch begins only after the previous one
+    # has ended, which is what dependent_wait waits for. The PDL flags still travel through every launch.
+    @triton.jit
+    def allow_dependents(PDL: tl.constexpr):
+        """No-op under the interpreter (see above)."""
+        pass
 
+    @triton.jit
+    def dependent_wait(PDL: tl.constexpr):
+        """No-op under the interpreter (see above)."""
+        pass
 
-@triton.jit
-def dependent_wait(PDL: tl.constexpr):
-    """Block until the previous kernel has finished and its writes are visible."""
-    if PDL:
-        # why: our inputs may be its outputs, and our outputs may reuse a buffer it still reads
-        tl.extra.cuda.gdc_wait()
+else:
+    @triton.jit
+    def allow_dependents(PDL: tl.constexpr):
+        """Let the next kernel's programs start once all of this kernel's programs have started (they never
+        take a slot one of ours still needs: the next kernel launches only after our last program is placed)."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def dependent_wait(PDL: tl.constexpr):
+        """Block until the previous kernel has finished and its writes are visible."""
+        if PDL:
+            # why: our inputs may be its outputs, and our outputs may reuse a buffer it still reads
+            tl.extra.cuda.gdc_wait()
