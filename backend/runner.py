@@ -57,8 +57,10 @@ class ModelRunner:
         self.vocab_size = model.spec.vocab_size
         self.sampler.vocab_hash(self.vocab_size, device)  # cached before any graph capture
         self._arange = np.arange(layout.max_seqs + 1)  # query_start_loc and logits_idx of decode-only steps
-        if device.type == "cuda":
-            self.warm_up_prefill()  # before the capture, whose own warm-up resets the inputs it reads
+        if device.type == "cuda" or model.ops.name.startswith("triton"):
+            # before the capture, whose own warm-up resets the inputs it reads; wherever Triton kernels run, also
+            # under Triton's CPU interpreter, so the CPU tests run the warm-up's steps too
+            self.warm_up_prefill()
         self.graphs: DecodeGraphs | None = None
         if use_graphs:  # without CUDA: the same decode-graph step, run eagerly
             self.graphs = DecodeGraphs(self, max_graph_batch)

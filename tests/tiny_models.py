@@ -18,6 +18,10 @@ def _config(family: str):
                   eos_token_id=EOS, bos_token_id=1, tie_word_embeddings=False)
     if family == "llama":
         return LlamaConfig(**common)
+    if family == "llama-128":  # the Triton path's tiny Llama: 64-wide K tiles in every GEMM, 32-wide heads; one
+        # layer, since the interpreter runs every kernel program in Python
+        return LlamaConfig(**{**common, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32,
+                              "num_hidden_layers": 1})
     if family == "qwen2":
         return Qwen2Config(**common)  # q/k/v projections carry biases
     if family == "qwen3":

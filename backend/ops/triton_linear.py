@@ -7,7 +7,6 @@ and no second launch are needed; small slices make enough programs even for narr
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +21,12 @@ from backend.ops import layers as torch_layers  # noqa: E402  (after the guarded
 from backend.ops import triton_layers  # noqa: E402
 from backend.ops.triton_attention import _sm_count  # noqa: E402
 from backend.ops.partial_sums import PartialSums  # noqa: E402
-from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402
+from backend.ops.triton_launch import INTERPRET, allow_dependents, dependent_wait  # noqa: E402
 
 __all__ = ["linear", "tuned_linear", "linear_silu_and_mul", "tuned_linear_silu_and_mul", "LinearConfig",
-           "choose_config", "H200_CONFIGS", "H200_PARKED_CONFIGS", "H200_GATED_CONFIGS", "MAX_ROWS"]
+           "TuningTables", "tables_for", "choose_config", "H200_CONFIGS", "H200_PARKED_CONFIGS", "H200_GATED_CONFIGS",
+           "H200_TABLES", "MAX_ROWS"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: CPU tensors may launch too
 MAX_ROWS = 64  # above this many rows cuBLAS's tiles reuse each weight load enough; F.linear takes over
 
 
@@ -202,14 +201,31 @@ H200_GATED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class TuningTables:
+    """The launch shapes measured on one kind of GPU, each table keyed by (N, K, BLOCK_M): plain GEMMs, GEMMs that
+    park their split-K partials for the next kernel, and gate_up with SiLU-and-mul in its epilogue."""
+
+    plain: dict[tuple[int, int, int], LinearConfig]
+    parked: dict[tuple[int, int, int], LinearConfig]
+    gated: dict[tuple[int, int, int], LinearConfig]
+
+
+H200_TABLES = TuningTables(H200_CONFIGS, H200_PARKED_CONFIGS, H200_GATED_CONFIGS)
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def _is_h200_class(device: torch.device) -> bool:
-    """Compute capability 9.0 (H100 / H200): the GPUs the table was measured on."""
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+def tables_for(device: torch.device) -> TuningTables | None:
+    """H200_TABLES on compute capability 9.0 (H100 / H200: where they were measured); None on other GPUs and on the
+    CPU, which keep F.linear for every shape. Tests of the dispatch give the interpreter tables of their own."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return H200_TABLES if _capability(index) == (9, 0) else None
 
 
 _SHARED_MEMORY = 200 * 1024  # bytes of the H100/H200's 227 KB per block that the pipeline stages may take
@@ -232,7 +248,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     next kernel adds them (triton_layers.add_rms_norm); any other launch returns y as usual."""
     rows = _row_count(x)
     if (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
-            or not x.is_cuda and not _INTERPRET or out is not None and out.stride(-1) != 1):
+            or not x.is_cuda and not INTERPRET or out is not None and out.stride(-1) != 1):
         return torch_layers.linear(x, weight, bias, out)
     x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -276,7 +292,7 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: tor
     cfg = config or choose_config(two_i, k, _sm_count(x.device) if x.is_cuda else 132)
     if (rows == 0 or rows > MAX_ROWS or bias is not None or cfg.split_k > 1 or cfg.block_n < 32 or two_i % 2
             or x.dtype not in (torch.bfloat16, torch.float16) or gate_up_weight.dtype != x.dtype
-            or not x.is_cuda and not _INTERPRET):
+            or not x.is_cuda and not INTERPRET):
         return triton_layers.silu_and_mul(linear(x, gate_up_weight, bias, config=config, pdl=pdl), pdl=pdl)
     x2 = x.reshape(rows, k)
     if x2.stride(-1) != 1:
@@ -321,25 +337,24 @@ def _row_count(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
-def _table_key(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int] | None:
-    """(N, K, BLOCK_M) to look up in the H200 tables, or None where no table applies (too many rows, another GPU)."""
+def _lookup(x: torch.Tensor, weight: torch.Tensor) -> tuple[TuningTables | None, tuple[int, int, int]]:
+    """This device's tables (None where none apply: too many rows, another GPU) and the key (N, K, BLOCK_M)."""
     rows = _row_count(x)
-    if 0 < rows <= MAX_ROWS and x.is_cuda and _is_h200_class(x.device):
-        return weight.shape[0], weight.shape[1], _block_m(rows)
-    return None
+    tables = tables_for(x.device) if 0 < rows <= MAX_ROWS else None
+    return tables, (weight.shape[0], weight.shape[1], _block_m(rows))
 
 
 def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, *, pdl: bool = False, park: bool = False) -> torch.Tensor | PartialSums:
-    """F.linear(x, weight, bias) through the kernel where H200_CONFIGS lists the shape on this GPU, else cuBLAS.
+    """F.linear(x, weight, bias) through the kernel where this device's plain table lists the shape, else cuBLAS.
 
-    park: the caller's next kernel can add split-K partials (linear's park); H200_PARKED_CONFIGS comes first."""
-    key = _table_key(x, weight)
-    if key is not None:
-        config = H200_PARKED_CONFIGS.get(key) if park and bias is None and out is None else None
+    park: the caller's next kernel can add split-K partials (linear's park); the parked table comes first."""
+    tables, key = _lookup(x, weight)
+    if tables is not None:
+        config = tables.parked.get(key) if park and bias is None and out is None else None
         if config is not None:
             return linear(x, weight, None, None, config=config, pdl=pdl, park=True)
-        config = H200_CONFIGS.get(key)
+        config = tables.plain.get(key)
         if config is not None:
             return linear(x, weight, bias, out, config=config, pdl=pdl)
     return torch_layers.linear(x, weight, bias, out)
@@ -347,11 +362,11 @@ def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def tuned_linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                               pdl: bool = False) -> torch.Tensor:
-    """silu_and_mul(tuned_linear(x, gate_up_weight, bias)): one kernel where H200_GATED_CONFIGS lists the gate_up
-    shape on this GPU (linear_silu_and_mul), else the tuned GEMM and triton_layers.silu_and_mul."""
-    key = _table_key(x, gate_up_weight) if bias is None else None
-    if key is not None:
-        config = H200_GATED_CONFIGS.get(key)
+    """silu_and_mul(tuned_linear(x, gate_up_weight, bias)): one kernel where this device's gated table lists the
+    gate_up shape (linear_silu_and_mul), else the tuned GEMM and triton_layers.silu_and_mul."""
+    tables, key = _lookup(x, gate_up_weight) if bias is None else (None, None)
+    if tables is not None:
+        config = tables.gated.get(key)
         if config is not None:
             return linear_silu_and_mul(x, gate_up_weight, config=config, pdl=pdl)
     return triton_layers.silu_and_mul(tuned_linear(x, gate_up_weight, bias, pdl=pdl), pdl=pdl)

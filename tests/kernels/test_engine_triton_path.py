@@ -1,0 +1,149 @@
+"""The engine end to end on the Triton path, on a CPU under Triton's interpreter: greedy tokens equal the torch path's.
+
+Without CUDA the Triton-language kernels run interpreted (tests/conftest.py), so this drives the host side of the
+CUDA path through the whole engine: the dispatch between fused and unfused kernels, parked split-K partial sums,
+the tuning-table lookups, the dependent-launch flags and the start-up warm-up. Each branch is forced at least once
+and the test checks that it ran, from a log of every kernel launch and its flags:
+
+- tuning tables of this model's own shapes (TINY_TABLES, in place of the H200's) park the qkv, o and down GEMMs'
+  partials at 16 rows, fuse gate_up with SiLU-and-mul at 16 and 64 rows, run o as a serial split-K GEMM and qkv
+  and gate_up unsplit at 32 rows, and leave the rest to F.linear;
+- 4 "SMs" make one wave 16 decode programs: decode steps of up to 8 sequences (× 2 KV heads) take the fused
+  rotary + KV write + attention kernel, larger ones rope_write_kv and the decode kernel;
+- context splits from 16 tokens on, so short contexts decode with splits and the reduce kernel, and one split
+  where the batch alone fills the wave (an unfused decode step never splits: the batch that leaves the one wave
+  already fills the GPU).
+On CUDA the real tables and shapes are covered by tests/gpu/test_engine_cuda.py instead.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from backend import Engine, EngineConfig, SamplingParams
+from backend.runner import ModelRunner
+from tests.tiny_models import build_tiny, random_prompts
+
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run; CUDA: tests/gpu")]
+
+from backend.ops import triton_argmax, triton_attention, triton_layers, triton_linear  # noqa: E402
+
+LC = triton_linear.LinearConfig
+QKV, O, GATE_UP, DOWN, LM_HEAD = (256, 128), (128, 128), (512, 128), (128, 256), (256, 128)  # (N, K) of llama-128
+TINY_TABLES = triton_linear.TuningTables(
+    plain={(*LM_HEAD, 16): LC(128, 64, 4, 2), (*QKV, 32): LC(128, 64, 4, 2), (*GATE_UP, 32): LC(128, 64, 4, 2),
+           (*O, 32): LC(64, 64, 4, 2, split_k=2), (*O, 64): LC(64, 64, 4, 2, split_k=2)},
+    parked={(*QKV, 16): LC(128, 64, 4, 2, split_k=2), (*O, 16): LC(64, 64, 4, 2, split_k=2),
+            (*DOWN, 16): LC(64, 64, 4, 2, split_k=4), (*QKV, 64): LC(128, 64, 4, 2, split_k=2)},
+    gated={(*GATE_UP, 16): LC(128, 64, 4, 2), (*GATE_UP, 64): LC(128, 64, 4, 2)},
+)
+PROMPT_LENS = [30, 28, 5, 17, 20, 3, 9, 24, 12, 7, 13, 2]
+MAX_TOKENS = [2 + (i * 7) % 13 for i in range(len(PROMPT_LENS))]  # 2..14: the batch shrinks step by step
+SETTINGS = dict(device="cpu", dtype="float16", num_kv_blocks=64, block_size=16, max_num_batched_tokens=64,
+                max_model_len=256)
+
+
+class LaunchLog:
+    """Counts the launches of wrapped Triton kernels by a description of each (its name and chosen flags)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.seen: collections.Counter = collections.Counter()
+        self._monkeypatch = monkeypatch
+
+    def wrap(self, module, name: str, describe) -> None:
+        kernel, seen = getattr(module, name), self.seen
+
+        class Spy:
+            def __getitem__(self, grid):
+                launch = kernel[grid]
+
+                def run(*args, **kwargs):
+                    seen[describe(args, kwargs)] += 1
+                    return launch(*args, **kwargs)
+                return run
+
+        self._monkeypatch.setattr(module, name, Spy())
+
+
+def _linear_kind(args, kw) -> tuple:
+    weight = tuple(args[1].shape)
+    if kw["GATED"]:
+        return "gated gate_up", kw["PDL"]
+    if kw["PARK"]:
+        return f"parked {weight}", kw["PDL"]
+    return ("split-K" if kw["SPLIT_K"] > 1 else "unsplit") + " GEMM", kw["PDL"]
+
+
+def _decode_kind(args, kw) -> tuple:
+    return ("fused rope decode" if kw["ROPE"] else "decode") + (", one split" if kw["DIRECT"] else ", splits"), \
+        kw["PDL"]
+
+
+@pytest.fixture
+def launches(monkeypatch) -> LaunchLog:
+    """The interpreter's stand-ins for an H200 (see the module docstring), and a log of every kernel launch."""
+    monkeypatch.setattr(triton_linear, "tables_for", lambda device: TINY_TABLES)
+    monkeypatch.setattr(triton_attention, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(triton_attention, "DECODE_MIN_SPLIT_TOKENS", 16)
+    log = LaunchLog(monkeypatch)
+    log.wrap(triton_linear, "_skinny_linear_kernel", _linear_kind)
+    log.wrap(triton_attention, "_decode_kernel", _decode_kind)
+    for module, name in ((triton_attention, "_decode_reduce_kernel"), (triton_attention, "_prefill_kernel"),
+                         (triton_layers, "_rope_write_kv_kernel"), (triton_layers, "_rms_norm_kernel"),
+                         (triton_layers, "_silu_and_mul_kernel"), (triton_argmax, "_chunk_max_kernel")):
+        log.wrap(module, name, lambda args, kw, name=name: (name, kw["PDL"]))
+    return log
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return build_tiny("llama-128", str(tmp_path_factory.mktemp("tiny-triton")), seed=1)
+
+
+@pytest.fixture(scope="module")
+def torch_tokens(model_path) -> list[list[int]]:
+    tokens, ops = _generate(model_path, attention_backend="torch", max_num_seqs=12)
+    assert ops == "torch"
+    return tokens
+
+
+def _generate(path: str, **settings) -> tuple[list[list[int]], str]:
+    engine = Engine(EngineConfig(model=path, **SETTINGS, **settings))
+    try:
+        prompts = random_prompts(PROMPT_LENS, seed=3)
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+        return [o.token_ids for o in engine.generate(prompts, params)], engine.parts.model.ops.name
+    finally:
+        engine.shutdown()
+
+
+ALL_PLAIN_LAUNCHES = {("_decode_reduce_kernel",), ("_prefill_kernel",), ("_rope_write_kv_kernel",),
+                      ("_rms_norm_kernel",), ("_silu_and_mul_kernel",)}
+DISPATCH = {"gated gate_up", f"parked {QKV}", f"parked {O}", f"parked {DOWN}", "split-K GEMM", "unsplit GEMM",
+            "fused rope decode, one split", "fused rope decode, splits", "decode, one split"}
+
+
+@pytest.mark.parametrize("pdl,graphs,async_pipeline,max_num_seqs", [(False, True, True, 40), (True, False, False, 12)],
+                         ids=["pdl-off-graph-body-async", "pdl-on-eager-sync"])
+def test_triton_path_greedy_equals_torch_path(model_path, torch_tokens, launches, monkeypatch, pdl, graphs,
+                                              async_pipeline, max_num_seqs):
+    """Greedy tokens of the Triton path equal the torch path's, with every dispatch branch taken at least once
+    and every kernel launched with dependent launch as asked; 40 sequences allowed: the whole start-up warm-up."""
+    warm_ups = []
+    original = ModelRunner.warm_up_prefill
+    monkeypatch.setattr(ModelRunner, "warm_up_prefill", lambda self: warm_ups.append(original(self)) or warm_ups[-1])
+    tokens, ops = _generate(model_path, attention_backend="triton", linear_backend="auto",
+                            dependent_launch="on" if pdl else "off", cuda_graphs=graphs,
+                            async_pipeline=async_pipeline, max_num_seqs=max_num_seqs)
+    assert ops == ("triton+pdl" if pdl else "triton")
+    assert tokens == torch_tokens
+    kinds = {kind[:-1] for kind in launches.seen}
+    graph_body = {("_chunk_max_kernel",)} if graphs else set()  # the decode graph's greedy pick (ops.greedy_argmax)
+    assert {(k,) for k in DISPATCH} | ALL_PLAIN_LAUNCHES | graph_body <= kinds, sorted(launches.seen)
+    assert {kind[-1] for kind in launches.seen} == {pdl}  # every launch with the dependent-launch flag asked for
+    want_warm_up = [(1, 17), (3, 12), (37, 1)] if max_num_seqs >= 37 else [(1, 17), (3, 12)]
+    assert warm_ups == [want_warm_up]  # (37, 2) is 74 tokens: over the 64-token step budget
+
