@@ -26,8 +26,10 @@ test-unit: venv
 test-integration: venv
 	$(PY) -m pytest tests/integration -q
 
+# on a GPU machine, with that machine's own torch and triton: tests/gpu, tests/kernels compiled, and one short
+# benchmark of each model shape (scripts/test_gpu.sh). A change to code that runs only with CUDA lands after it passed.
 test-gpu:
-	python3 -m pytest tests/gpu -q
+	bash scripts/test_gpu.sh
 
 SERVE_ARGS ?=
 serve: venv

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# `make test-gpu`: what a change to code that runs only with CUDA must pass on a GPU machine before it lands.
+# The CUDA tests (tests/gpu, and tests/kernels compiled rather than interpreted), then one short benchmark of each
+# model shape, so a crash at start-up or in the first steps shows: small-64 (Llama-3.2-1B shape) and blog-quick
+# (Llama-3-8B shape), each in sync and async mode. Uses the machine's own python3 (PY=... to choose another) and
+# its installed torch, triton and transformers; LOG_DIR (default out/test-gpu) keeps every log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+LOG_DIR=${LOG_DIR:-out/test-gpu}
+mkdir -p "$LOG_DIR"
+export PYTHONUNBUFFERED=1
+fail=0
+
+"$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "test-gpu: CUDA is not available")' || exit 2
+"$PY" -m pytest tests/gpu tests/kernels -q -p no:cacheprovider 2>&1 | tee "$LOG_DIR/tests.log"
+tests_rc=${PIPESTATUS[0]}
+[ "$tests_rc" -eq 0 ] || fail=1
+
+summary=()
+for workload in ${WORKLOADS:-small-64 blog-quick}; do
+  "$PY" -m backend.bench --workload "$workload" 2>&1 | tee "$LOG_DIR/bench-$workload.log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || fail=1
+  rates=$(grep -oE '^engine=tandem  mode=[a-z]+ .* tok_per_s=[0-9.]+' "$LOG_DIR/bench-$workload.log" |
+          sed -E 's/^engine=tandem  mode=([a-z]+) .* tok_per_s=([0-9.]+)/\1 \2 tok\/s/' | paste -sd, -)
+  summary+=("$workload: ${rates:-no result} (rc $rc)")
+done
+
+echo "== test-gpu summary =="
+echo "tests: $(grep -E '(passed|failed|error)' "$LOG_DIR/tests.log" | tail -1) (rc $tests_rc)"
+printf '%s\n' "${summary[@]}"
+[ "$fail" -eq 0 ] && echo "test-gpu: PASSED" || echo "test-gpu: FAILED"
+exit "$fail"
