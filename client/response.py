@@ -51,6 +51,8 @@ def _logprobs(value: Any) -> Any:
 
 def _chunk(get, final: bool) -> Chunk:
     finish = _text(get("finish_reason"))
+    if finish == "None":  # the vLLM convention for "not finished yet"
+        finish = None
     return Chunk(
         text=_text(get("text_output")) or "",
         num_output_tokens=_int(get("num_output_tokens")),

@@ -179,7 +179,7 @@ def test_grpc_streaming_matches_offline(triton_server, reference):
         assert sum(got.output("num_output_tokens")) == len(ref.token_ids)
         assert got.output("num_input_tokens")[-1] == len(ref.prompt_ids)
         reasons = [r.decode() for r in got.output("finish_reason")]
-        assert reasons[-1] == ref.finish_reason and all(r == "" for r in reasons[:-1])
+        assert reasons[-1] == ref.finish_reason and all(r == "None" for r in reasons[:-1])  # vLLM's str(None)
 
 
 def test_grpc_input_ids_return_output_ids(triton_server, reference):

@@ -8,10 +8,11 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.request import SamplingParams
+from vllm_compat import translate_vllm_keys
 
 RETURN_FLAGS = (
     "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
-    "return_output_ids",
+    "return_output_ids", "return_cumulative_logprob",
 )
 _INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
 _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
@@ -33,6 +34,7 @@ class GenerateRequest:
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
     return_output_ids: bool = False
+    return_cumulative_logprob: bool = False
 
 
 def parse_request(get_input: GetInput, request_parameters: str | None) -> GenerateRequest:
@@ -48,7 +50,7 @@ def parse_request(get_input: GetInput, request_parameters: str | None) -> Genera
     flags = {name: bool(_flag(get_input, name, False)) for name in RETURN_FLAGS}
     if isinstance(prompt, list):
         flags["return_output_ids"] = True  # clients that bring token ids want token ids back
-    if flags["return_logprobs"] and params.logprobs is None:
+    if (flags["return_logprobs"] or flags["return_cumulative_logprob"]) and params.logprobs is None:
         params.logprobs = 0  # the sampled token's logprob
     return GenerateRequest(prompt, params, bool(stream), prepend, **flags)
 
@@ -116,6 +118,7 @@ def sampling_params(request_parameters: dict[str, Any], tensor_values: dict[str,
     # Triton's own request parameters (triton_*) are not sampling settings.
     merged = {k: v for k, v in request_parameters.items() if not k.startswith("triton_")}
     merged.update(tensor_values)
+    merged = translate_vllm_keys(merged)
     coerced = {key: _coerce(key, value) for key, value in merged.items()}
     try:
         return SamplingParams.from_dict(coerced)
@@ -152,12 +155,17 @@ def response_arrays(req: GenerateRequest, out: Any, prefix: str = "") -> dict[st
         text, ids, logprobs = prefix + out.text, out.token_ids, out.logprobs
     arrays = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
     if req.return_finish_reason:
-        reason = out.finish_reason if out.finished and out.finish_reason else ""
+        # "None" until the last response, as the vLLM backend sends str(None)
+        reason = out.finish_reason if out.finished and out.finish_reason else "None"
         arrays["finish_reason"] = np.array([reason.encode()], dtype=np.object_)
+    # token counts are UINT32, as the vLLM backend sends them (Triton's OpenAI frontend reads usage from UINT32 only)
     if req.return_num_input_tokens:
-        arrays["num_input_tokens"] = np.array([out.num_prompt_tokens], dtype=np.int32)
+        arrays["num_input_tokens"] = np.array([out.num_prompt_tokens], dtype=np.uint32)
     if req.return_num_output_tokens:
-        arrays["num_output_tokens"] = np.array([len(ids)], dtype=np.int32)
+        arrays["num_output_tokens"] = np.array([len(ids)], dtype=np.uint32)
+    if req.return_cumulative_logprob:  # the sum over every output token so far, also when streaming
+        total = sum(entry["logprob"] for entry in out.logprobs or ())
+        arrays["cumulative_logprob"] = np.array([total], dtype=np.float32)
     if req.return_output_ids:
         arrays["output_ids"] = np.asarray(ids, dtype=np.int64).reshape(-1)
     if req.return_logprobs:

@@ -1,0 +1,90 @@
+"""Sampling keys that Triton's vLLM backend takes and Tandem's SamplingParams has no field for.
+
+Clients of that backend (Triton's OpenAI-compatible frontend among them) send them with every request: "n": 1,
+"best_of": 1, chat's "logprobs": false with "top_logprobs", nulls for unset fields. Each key is either accepted,
+where it asks for what Tandem does anyway, or refused with a message that says it is not supported; a key no
+client of that backend sends stays an error in SamplingParams itself.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# keys whose only value Tandem honours is the one vLLM defaults to
+_DEFAULT_ONLY = {"detokenize": True, "spaces_between_special_tokens": True}
+# keys refused unless empty: what each would need
+_NOT_SUPPORTED = {
+    "logit_bias": "per-token logit biases",
+    "allowed_token_ids": "a restricted vocabulary",
+    "bad_words": "banned word sequences",
+    "prompt_logprobs": "logprobs of the prompt's tokens",
+    "truncate_prompt_tokens": "prompt truncation",
+}
+_STRUCTURED = ("structured_outputs", "guided_decoding")
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def translate_vllm_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """values (the merged sampling parameters) with the vLLM-only keys checked and removed; raises ValueError.
+
+    Null values mean "the default", as in the vLLM backend. "logprobs" may be a boolean (OpenAI chat): true asks
+    for the sampled token's logprob plus "top_logprobs" alternatives, false for none."""
+    out = {key: value for key, value in values.items() if value is not None}
+    n = _integer(out.pop("n", 1), "n")
+    best_of = _integer(out.pop("best_of", n), "best_of")
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    if best_of != n:
+        raise ValueError(f"best_of ({best_of}) must equal n ({n}): every sample is returned, none is dropped")
+    if n > 1:
+        raise ValueError(f"n = {n}: several samples of one prompt are not supported yet; send n: 1 (or {n} "
+                         f"requests with different seeds)")
+    top = out.pop("top_logprobs", None)
+    if "logprobs" in out:
+        wanted = _as_bool(out["logprobs"])
+        if wanted is not None:
+            if wanted:
+                out["logprobs"] = _integer(top if top is not None else 0, "top_logprobs")
+            else:
+                del out["logprobs"]
+        elif _integer(out["logprobs"], "logprobs") == -1:
+            raise ValueError("logprobs: -1 (the whole vocabulary) is not supported; ask for at most 20")
+    if out.pop("lora_name", None) is not None:
+        raise ValueError("lora_name: LoRA is not enabled on this model (it serves its base weights only)")
+    for key in _STRUCTURED:
+        if out.pop(key, None) is not None:
+            raise ValueError(f"{key}: structured outputs (JSON schema, regex, grammar, choice) are not supported yet")
+    for key, default in _DEFAULT_ONLY.items():
+        if key in out and _as_bool(out.pop(key)) is not default:
+            raise ValueError(f"{key}: only {str(default).lower()} is supported")
+    for key, what in _NOT_SUPPORTED.items():
+        if out.pop(key, None) not in (None, {}, [], 0):
+            raise ValueError(f"{key}: {what} is not supported yet")
+    return out
+
+
+def _as_bool(value: Any) -> bool | None:
+    """True / False for a JSON boolean or its string spelling; None for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    return None
+
+
+def _integer(value: Any, key: str) -> int:
+    """An int from a JSON number or numeric string (vLLM casts by field type); ValueError naming the key."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    try:
+        number = int(value.strip()) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError(f"{key} must be an integer, got {value!r}") from None
+    if isinstance(number, float) and number.is_integer():
+        number = int(number)
+    if not isinstance(number, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    return number

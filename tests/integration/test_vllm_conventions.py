@@ -1,0 +1,110 @@
+"""The vLLM backend's request and response conventions, against the real tritonserver.
+
+The first tests send exactly what Triton's OpenAI-compatible frontend (server repo, python/openai, `--backend vllm`)
+builds for a chat and a completions request: its converter dumps the OpenAI request (unset fields dropped) into
+`sampling_parameters`, sets `exclude_input_in_output` and asks for `num_input_tokens` / `num_output_tokens`, which
+it reads as UINT32 only. Its in-process `tritonserver` package does not install here, so these requests are built
+from its published converter rather than by running it.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.integration.test_triton_serving import GrpcStream, grpc_inputs, http_generate
+
+pytestmark = pytest.mark.integration
+
+GREEDY = {"max_tokens": 8, "temperature": 0}
+# what the frontend's converter sends for a chat request with temperature 0, max_tokens 8, seed 7 and a stop
+CHAT = {"frequency_penalty": 0.0, "logprobs": False, "n": 1, "presence_penalty": 0.0, "seed": 7, "stop": ["###"],
+        "temperature": 0.0, "top_p": 1.0, "max_tokens": 8}
+# ... and for a completions request (its schema defaults best_of and n to 1; echo becomes exclude_input_in_output)
+COMPLETION = {"best_of": 1, "frequency_penalty": 0.0, "n": 1, "presence_penalty": 0.0, "seed": 7,
+              "temperature": 0.0, "top_p": 1.0, "max_tokens": 8}
+FRONTEND_FLAGS = {"exclude_input_in_output": True, "return_num_input_tokens": True, "return_num_output_tokens": True}
+
+
+def ask(server, prompt: str, sampling: dict, stream: bool, **flags: bool):
+    """One request on its own gRPC stream; returns its Collected answer."""
+    grpc = GrpcStream(server)
+    try:
+        grpc.send("r", grpc_inputs(prompt, stream=stream, sampling=sampling, **flags))
+        return grpc.wait_all()["r"]
+    finally:
+        grpc.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+@pytest.mark.parametrize("sampling", [CHAT, COMPLETION], ids=["chat", "completions"])
+def test_openai_frontend_requests_are_answered_with_uint32_usage(triton_server, sampling, stream):
+    """The frontend's requests give the text the plain greedy request gives, and usage the frontend can read."""
+    prompt = "The capital of France is"
+    want = ask(triton_server, prompt, GREEDY, stream=False, exclude_input_in_output=True, return_num_input_tokens=True)
+    got = ask(triton_server, prompt, sampling, stream=stream, **FRONTEND_FLAGS)
+    assert not got.errors and got.finals == 1, got.errors
+    assert got.text() == want.text()
+    for name in ("num_input_tokens", "num_output_tokens"):
+        assert {r.as_numpy(name).dtype for r in got.responses} == {np.dtype(np.uint32)}, name
+    outputs = got.output("num_output_tokens")  # one per response: the tokens it carries (a delta when streaming)
+    assert sum(outputs) == 8 and (len(outputs) > 1) == stream
+    prompt_tokens = want.output("num_input_tokens")
+    assert prompt_tokens[0] > 0 and set(got.output("num_input_tokens")) == set(prompt_tokens)
+
+
+def test_chat_logprobs_true_with_top_logprobs(triton_server):
+    """OpenAI chat's logprobs: true + top_logprobs: k asks for the sampled token's logprob and k alternatives."""
+    got = ask(triton_server, "Hello", {**CHAT, "logprobs": True, "top_logprobs": 2}, stream=False,
+              return_logprobs=True)
+    assert not got.errors, got.errors
+    entries = json.loads(got.responses[-1].as_numpy("logprobs")[0])
+    assert len(entries) == 8 and all(len(e["top_logprobs"]) == 2 for e in entries)
+
+
+def test_cumulative_logprob_is_the_sum_of_the_tokens_logprobs(triton_server):
+    """return_cumulative_logprob: FP32 cumulative_logprob, the running sum over the output so far in every response
+    of a stream; the last one equals the sum of the logprobs returned."""
+    for stream in (False, True):
+        got = ask(triton_server, "Once upon a time", {"max_tokens": 6, "temperature": 0.8, "seed": 3},
+                  stream=stream, return_cumulative_logprob=True, return_logprobs=True)
+        assert not got.errors, got.errors
+        cumulative = [r.as_numpy("cumulative_logprob") for r in got.responses]
+        assert all(c.dtype == np.float32 and c.shape == (1,) for c in cumulative)
+        entries = [e for r in got.responses for e in json.loads(r.as_numpy("logprobs")[0])]
+        assert len(entries) == 6
+        assert cumulative[-1][0] == pytest.approx(sum(e["logprob"] for e in entries), abs=1e-4)
+        assert cumulative[-1][0] < 0
+        values = [c[0] for c in cumulative]
+        assert values == sorted(values, reverse=True)  # a running sum of negative numbers only falls
+
+
+def test_string_booleans_mean_what_they_say(triton_server):
+    """"ignore_eos": "false" is false (vLLM's own cast would make any non-empty string true)."""
+    got = ask(triton_server, "Hi", {"max_tokens": 4, "temperature": 0, "ignore_eos": "false", "logprobs": "false",
+                                    "detokenize": "true", "spaces_between_special_tokens": True, "seed": None},
+              stream=False)
+    assert not got.errors, got.errors
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"n": 2}, "n = 2: several samples of one prompt are not supported yet"),
+    ({"n": 1, "best_of": 2}, "best_of (2) must equal n (1)"),
+    ({"lora_name": "adapter"}, "LoRA is not enabled"),
+    ({"guided_decoding": json.dumps({"json": {"type": "object"}})}, "structured outputs"),
+    ({"structured_outputs": json.dumps({"regex": "[0-9]+"})}, "structured outputs"),
+    ({"logit_bias": {"42": 5.0}}, "logit_bias: per-token logit biases is not supported yet"),
+    ({"allowed_token_ids": [1, 2, 3]}, "allowed_token_ids"),
+    ({"bad_words": ["dragon"]}, "bad_words"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"truncate_prompt_tokens": 16}, "truncate_prompt_tokens"),
+    ({"detokenize": False}, "detokenize: only true is supported"),
+    ({"logprobs": -1}, "the whole vocabulary"),
+    ({"n": "two"}, "n must be an integer"),
+    ({"user": "someone"}, "unknown sampling parameter"),  # not a vLLM key: still an error
+])
+def test_keys_we_cannot_honour_are_invalid_arg_with_a_reason(triton_server, extra, message):
+    response = http_generate(triton_server, {"text_input": "Hi", "sampling_parameters": json.dumps({**GREEDY, **extra})})
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"], response.json()
