@@ -331,7 +331,7 @@ class Engine:
                     if result.top_ids is not None and req.params.logprobs:
                         k = req.params.logprobs
                         top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k]))
-                    lp = (lps[i], top)
+                    lp = (lps[i], result.ranks[i], top)
                 if lp is None and reason is None:
                     events.append((req.request_id, tok))  # the common case: a bare pair, made an event off the loop
                     continue

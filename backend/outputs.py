@@ -22,7 +22,7 @@ class StepEvent:
 
     request_id: str
     token: int | None
-    logprob: tuple[float, list[tuple[int, float]] | None] | None
+    logprob: tuple[float, int, list[tuple[int, float]] | None] | None  # (logprob, rank, top-n pairs)
     finish_reason: str | None
     error: str | None = None
     all_tokens: list[int] | None = None  # a final-only request's final event: every output token
@@ -296,10 +296,10 @@ def coalesce_outputs(items: list) -> list:
 
 
 def _logprob_entry(token: int, logprob) -> dict:
-    value, top = logprob
-    entry = {"token_id": token, "logprob": value}
-    if top is not None:
-        entry["top_logprobs"] = [{"token_id": t, "logprob": lp} for t, lp in top]
+    value, rank, top = logprob
+    entry = {"token_id": token, "logprob": value, "rank": rank}
+    if top is not None:  # in order: rank 1 first
+        entry["top_logprobs"] = [{"token_id": t, "logprob": lp, "rank": r} for r, (t, lp) in enumerate(top, 1)]
     return entry
 
 

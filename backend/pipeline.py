@@ -56,10 +56,12 @@ class Slot:
         # outputs: sampled tokens and their logprobs, written by the compute stream, read back by D2H
         self.out_tokens = torch.zeros(S, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(S, dtype=torch.float32, device=device)
+        self.out_ranks = torch.zeros(S, dtype=torch.int64, device=device)
         self.out_top_ids = torch.zeros(S, K, dtype=torch.int64, device=device)
         self.out_top_logprobs = torch.zeros(S, K, dtype=torch.float32, device=device)
         self.host_tokens = torch.zeros(S, dtype=torch.int64, pin_memory=pin)
         self.host_logprobs = torch.zeros(S, dtype=torch.float32, pin_memory=pin)
+        self.host_ranks = torch.zeros(S, dtype=torch.int64, pin_memory=pin)
         self.host_top_ids = torch.zeros(S, K, dtype=torch.int64, pin_memory=pin)
         self.host_top_logprobs = torch.zeros(S, K, dtype=torch.float32, pin_memory=pin)
         self.h2d_done = _Event(use_cuda)
@@ -173,6 +175,7 @@ class Pipeline:
             dst.copy_(src, non_blocking=True)
             if read_logprobs:
                 slot.host_logprobs[:rows].copy_(slot.out_logprobs[:rows], non_blocking=True)
+                slot.host_ranks[:rows].copy_(slot.out_ranks[:rows], non_blocking=True)
                 slot.host_top_ids[:rows].copy_(slot.out_top_ids[:rows], non_blocking=True)
                 slot.host_top_logprobs[:rows].copy_(slot.out_top_logprobs[:rows], non_blocking=True)
             tl.gpu_end("d2h", self.d2h_stream)

@@ -37,6 +37,7 @@ class StepResult:
     requests: list[Request]
     token_ids: list[int]
     logprobs: list[float] | None = None
+    ranks: list[int] | None = None  # the sampled token's rank in its row, with logprobs
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
 
@@ -336,6 +337,7 @@ class ModelRunner:
             slot.out_tokens[:rows].copy_(out.token_ids)
             if out.logprobs is not None:
                 slot.out_logprobs[:rows].copy_(out.logprobs)
+                slot.out_ranks[:rows].copy_(out.ranks)
             if out.top_ids is not None:
                 k = out.top_ids.shape[1]
                 slot.out_top_ids[:rows, :k].copy_(out.top_ids)
@@ -409,6 +411,7 @@ class ModelRunner:
         result = StepResult(st.sampled, slot.host_tokens[:n].tolist())
         if st.read_logprobs:
             result.logprobs = slot.host_logprobs[:n].tolist()
+            result.ranks = slot.host_ranks[:n].tolist()
             if st.num_top:
                 result.top_ids = slot.host_top_ids[:n, :st.num_top].tolist()
                 result.top_logprobs = slot.host_top_logprobs[:n, :st.num_top].tolist()

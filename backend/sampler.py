@@ -227,6 +227,7 @@ class SamplerOutput:
 
     token_ids: torch.Tensor  # (B,) int64
     logprobs: torch.Tensor | None = None  # (B,) f32, of the sampled token under the raw logits
+    ranks: torch.Tensor | None = None  # (B,) int64, the sampled token's 1-based rank in its row (1: a row maximum)
     top_ids: torch.Tensor | None = None  # (B, K) int64
     top_logprobs: torch.Tensor | None = None  # (B, K) f32
 
@@ -281,10 +282,11 @@ def _with_logprobs(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, k: i
     if raw_logprobs is None:
         return SamplerOutput(tokens)
     chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
+    ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1  # (B,) tokens more likely than it, plus one
     if k == 0:
-        return SamplerOutput(tokens, chosen)
+        return SamplerOutput(tokens, chosen, ranks)
     top_logprobs, top_ids = raw_logprobs.topk(k, dim=-1)  # (B, K)
-    return SamplerOutput(tokens, chosen, top_ids, top_logprobs)
+    return SamplerOutput(tokens, chosen, ranks, top_ids, top_logprobs)
 
 
 def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

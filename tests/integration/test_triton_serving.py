@@ -201,15 +201,22 @@ def test_http_generate_flags_and_prompt_prefix(triton_server, reference):
     flags = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
              "return_logprobs": True}
     excluded = http_generate(triton_server, {"text_input": prompt, "exclude_input_in_output": True,
-                                             "parameters": GREEDY, **flags})
+                                             "parameters": {**GREEDY, "logprobs": 0}, **flags})
     assert excluded.status_code == 200, excluded.text
     body = excluded.json()
     assert body["text_output"] == ref.text
     assert body["finish_reason"] == ref.finish_reason
     assert body["num_input_tokens"] == len(ref.prompt_ids)
     assert body["num_output_tokens"] == len(ref.token_ids)
-    logprobs = json.loads(body["logprobs"])
-    assert len(logprobs) == len(ref.token_ids)
+    logprobs = json.loads(body["logprobs"])  # vLLM's format: per token {id: {logprob, rank, decoded_token}}
+    assert [list(entry) for entry in logprobs] == [[str(t)] for t in ref.token_ids]
+    assert all(e[str(t)]["rank"] == 1 and e[str(t)]["logprob"] <= 0 for e, t in zip(logprobs, ref.token_ids))
+    shown = [e[str(t)]["decoded_token"] for e, t in zip(logprobs, ref.token_ids)]
+    if ref.finish_reason == "stop":
+        shown = shown[:-1]  # the stop token has a decoded_token, but no text in text_output
+    assert "".join(shown) == ref.text
+    unasked = http_generate(triton_server, {"text_input": prompt, "parameters": GREEDY, **flags})
+    assert json.loads(unasked.json()["logprobs"]) is None  # no logprobs in the sampling parameters: null, as vLLM
     # vLLM-backend default for a non-streaming request: the prompt comes first; no extra outputs unless asked.
     default = http_generate(triton_server, {"text_input": prompt, "parameters": GREEDY})
     assert default.status_code == 200, default.text

@@ -55,26 +55,36 @@ def test_openai_frontend_requests_are_answered_with_uint32_usage(triton_server, 
 
 
 def test_chat_logprobs_true_with_top_logprobs(triton_server):
-    """OpenAI chat's logprobs: true + top_logprobs: k asks for the sampled token's logprob and k alternatives."""
+    """OpenAI chat's logprobs: true + top_logprobs: k asks for the sampled token's logprob and k alternatives,
+    returned in vLLM's format, which the OpenAI frontend parses: per token, {token id: {logprob, rank,
+    decoded_token}}, the sampled (greedy: rank 1) token among them."""
     got = ask(triton_server, "Hello", {**CHAT, "logprobs": True, "top_logprobs": 2}, stream=False,
-              return_logprobs=True)
+              return_logprobs=True, return_output_ids=True)
     assert not got.errors, got.errors
     entries = json.loads(got.responses[-1].as_numpy("logprobs")[0])
-    assert len(entries) == 8 and all(len(e["top_logprobs"]) == 2 for e in entries)
+    ids = got.output("output_ids")
+    assert len(entries) == len(ids) == 8
+    for entry, token in zip(entries, ids):
+        assert len(entry) == 2 and sorted(e["rank"] for e in entry.values()) == [1, 2]
+        assert entry[str(token)]["rank"] == 1 and isinstance(entry[str(token)]["decoded_token"], str)
+        assert entry[str(token)]["logprob"] >= max(e["logprob"] for e in entry.values())
 
 
 def test_cumulative_logprob_is_the_sum_of_the_tokens_logprobs(triton_server):
     """return_cumulative_logprob: FP32 cumulative_logprob, the running sum over the output so far in every response
     of a stream; the last one equals the sum of the logprobs returned."""
     for stream in (False, True):
-        got = ask(triton_server, "Once upon a time", {"max_tokens": 6, "temperature": 0.8, "seed": 3},
-                  stream=stream, return_cumulative_logprob=True, return_logprobs=True)
+        got = ask(triton_server, "Once upon a time", {"max_tokens": 6, "temperature": 0.8, "seed": 3, "logprobs": 0},
+                  stream=stream, return_cumulative_logprob=True, return_logprobs=True, return_output_ids=True)
         assert not got.errors, got.errors
         cumulative = [r.as_numpy("cumulative_logprob") for r in got.responses]
         assert all(c.dtype == np.float32 and c.shape == (1,) for c in cumulative)
         entries = [e for r in got.responses for e in json.loads(r.as_numpy("logprobs")[0])]
-        assert len(entries) == 6
-        assert cumulative[-1][0] == pytest.approx(sum(e["logprob"] for e in entries), abs=1e-4)
+        ids = got.output("output_ids")
+        assert len(entries) == len(ids) == 6
+        logprobs = [entry[str(token)]["logprob"] for entry, token in zip(entries, ids)]
+        assert all(entry[str(token)]["rank"] >= 1 for entry, token in zip(entries, ids))
+        assert cumulative[-1][0] == pytest.approx(sum(logprobs), abs=1e-4)
         assert cumulative[-1][0] < 0
         values = [c[0] for c in cumulative]
         assert values == sorted(values, reverse=True)  # a running sum of negative numbers only falls

@@ -62,7 +62,7 @@ def test_eos_in_a_batch_joins_the_token_ids_but_not_the_text(tok):
 
 def test_logprobs_of_a_batch_arrive_together(tok):
     ids = tok.encode("xyz", add_special_tokens=False)
-    events = [StepEvent("r", t, (-0.5 * i, None), FINISH_LENGTH if i == 2 else None) for i, t in enumerate(ids)]
+    events = [StepEvent("r", t, (-0.5 * i, 1, None), FINISH_LENGTH if i == 2 else None) for i, t in enumerate(ids)]
     outs, _ = _run(tok, SamplingParams(max_tokens=3, logprobs=0), [events])
     assert len(outs) == 1 and [e["token_id"] for e in outs[0].delta_logprobs] == ids
     assert [e["logprob"] for e in outs[0].logprobs] == [0.0, -0.5, -1.0]

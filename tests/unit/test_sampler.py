@@ -163,6 +163,10 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
     assert torch.equal(out.logprobs, reference.gather(1, out.token_ids[:, None])[:, 0])
     top_lp, top_ids = reference.topk(3, -1)
     assert torch.equal(out.top_ids, top_ids) and torch.equal(out.top_logprobs, top_lp)
+    # rank: 1 + the tokens strictly more likely; the greedy rows took a maximum, rank 1
+    order = [sorted(row.tolist(), reverse=True) for row in reference]
+    want = [order[b].index(reference[b, t].item()) + 1 for b, t in enumerate(out.token_ids.tolist())]
+    assert out.ranks.tolist() == want and want[1:] == [1, 1, 1, 1]
 
 
 def test_sampler_reads_nothing_back_to_the_host(monkeypatch):

@@ -35,6 +35,7 @@ class GenerateRequest:
     return_logprobs: bool = False
     return_output_ids: bool = False
     return_cumulative_logprob: bool = False
+    asked_logprobs: bool = False  # the sampling parameters asked for logprobs (else the logprobs output is null)
 
 
 def parse_request(get_input: GetInput, request_parameters: str | None) -> GenerateRequest:
@@ -50,9 +51,10 @@ def parse_request(get_input: GetInput, request_parameters: str | None) -> Genera
     flags = {name: bool(_flag(get_input, name, False)) for name in RETURN_FLAGS}
     if isinstance(prompt, list):
         flags["return_output_ids"] = True  # clients that bring token ids want token ids back
-    if (flags["return_logprobs"] or flags["return_cumulative_logprob"]) and params.logprobs is None:
-        params.logprobs = 0  # the sampled token's logprob
-    return GenerateRequest(prompt, params, bool(stream), prepend, **flags)
+    asked = params.logprobs is not None
+    if flags["return_cumulative_logprob"] and not asked:
+        params.logprobs = 0  # the sampled tokens' logprobs, for their sum
+    return GenerateRequest(prompt, params, bool(stream), prepend, asked_logprobs=asked, **flags)
 
 
 def _prompt(get_input: GetInput) -> str | list[int]:
@@ -147,8 +149,11 @@ def _coerce(key: str, value: Any) -> Any:
     return value
 
 
-def response_arrays(req: GenerateRequest, out: Any, prefix: str = "") -> dict[str, np.ndarray]:
-    """Tensors for one response: the delta when streaming, everything (after `prefix`) at the end otherwise."""
+def response_arrays(req: GenerateRequest, out: Any, prefix: str = "",
+                    decode_token: Callable[[int], str] = str) -> dict[str, np.ndarray]:
+    """Tensors for one response: the delta when streaming, everything (after `prefix`) at the end otherwise.
+
+    decode_token: a token id's text, for the logprobs output's decoded_token."""
     if req.stream:
         text, ids, logprobs = out.delta_text, out.delta_token_ids, out.delta_logprobs
     else:
@@ -169,5 +174,21 @@ def response_arrays(req: GenerateRequest, out: Any, prefix: str = "") -> dict[st
     if req.return_output_ids:
         arrays["output_ids"] = np.asarray(ids, dtype=np.int64).reshape(-1)
     if req.return_logprobs:
-        arrays["logprobs"] = np.array([json.dumps(logprobs or []).encode()], dtype=np.object_)
+        value = vllm_logprobs(logprobs or [], decode_token) if req.asked_logprobs else None
+        arrays["logprobs"] = np.array([json.dumps(value).encode()], dtype=np.object_)
     return arrays
+
+
+def vllm_logprobs(entries: list[dict], decode_token: Callable[[int], str]) -> list[dict[str, dict]]:
+    """The vLLM backend's logprobs: per new token, {token id (a string): {logprob, rank, decoded_token}} for the
+    sampled token and its top-n alternatives (the sampled token may be one of them)."""
+    converted = []
+    for entry in entries:
+        tokens = {str(alt["token_id"]): _logprob(alt, decode_token) for alt in entry.get("top_logprobs") or ()}
+        tokens.setdefault(str(entry["token_id"]), _logprob(entry, decode_token))
+        converted.append(tokens)
+    return converted
+
+
+def _logprob(entry: dict, decode_token: Callable[[int], str]) -> dict:
+    return {"logprob": entry["logprob"], "rank": entry["rank"], "decoded_token": decode_token(entry["token_id"])}

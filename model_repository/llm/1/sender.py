@@ -1,6 +1,7 @@
 """The one sender thread: engine updates → Triton responses, cancellation checks, gauge refreshes."""
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -52,6 +53,8 @@ class ResponseLoop:
                  on_engine_dead: Callable[[], None] | None = None):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()  # the engine's sink for every request (C put and get)
         self._engine, self._metrics, self._stats_interval = engine, metrics, stats_interval_s
+        # a token id's text, for the logprobs output (cached: the same few thousand tokens come back all the time)
+        self._decode_token = functools.lru_cache(maxsize=1 << 16)(lambda token: engine.tokenizer.decode([token]))
         self._on_engine_dead = on_engine_dead  # called once, from this thread, when the engine stops by itself
         self._dead_reported = False
         self._active: dict[str, Stream] = {}
@@ -135,7 +138,7 @@ class ResponseLoop:
             if self.claim(out.request_id) is not None:
                 self._finish(stream, out)
         elif stream.req.stream and not stream.cancelled and self._worth_sending(stream.req, out):
-            tensors = [pb_utils.Tensor(k, v) for k, v in response_arrays(stream.req, out).items()]
+            tensors = [pb_utils.Tensor(k, v) for k, v in response_arrays(stream.req, out, "", self._decode_token).items()]
             self._send(stream, pb_utils.InferenceResponse(output_tensors=tensors), 0)
 
     @staticmethod
@@ -153,7 +156,7 @@ class ResponseLoop:
             msg = f"request aborted after {len(out.token_ids)} tokens: the model is unloading or the engine stopped"
             response = error_response(msg, pb_utils.TritonError.UNAVAILABLE)
         else:
-            arrays = response_arrays(stream.req, out, stream.prefix)
+            arrays = response_arrays(stream.req, out, stream.prefix, self._decode_token)
             response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
         self._send(stream, response, FINAL)
         self._metrics.e2e.observe(time.monotonic() - stream.arrival)
