@@ -113,3 +113,30 @@ def test_dependent_launch_gives_the_same_tokens(linear_backend, num_requests):
         assert ops == "triton+pdl"
         assert got == want, async_pipeline
     torch.cuda.empty_cache()
+
+
+def test_logprobs_and_ranks(root):
+    """Logprobs on CUDA (decode graphs, async pipeline): a greedy token ranks 1 and heads its top-n; a sampled token
+    ranks one past the top-n entries more likely than it, exactly so where it is among them."""
+    path = build_tiny("llama", root)
+    prompts = random_prompts([5, 17, 9], seed=4)
+
+    def logprobs(temperature):
+        engine = Engine(EngineConfig(model=path, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8,
+                                     async_pipeline=True, cuda_graphs=True))
+        try:
+            params = SamplingParams(max_tokens=12, temperature=temperature, seed=11, logprobs=3, ignore_eos=True)
+            return [o.logprobs for o in engine.generate(prompts, params)]
+        finally:
+            engine.shutdown()
+
+    greedy = [e for out in logprobs(0) for e in out]
+    assert len(greedy) == 36
+    assert all(e["rank"] == 1 and e["top_logprobs"][0]["token_id"] == e["token_id"] for e in greedy)
+    sampled = [e for out in logprobs(1.5) for e in out]
+    assert len(sampled) == 36 and any(e["rank"] > 1 for e in sampled)
+    for e in sampled:
+        above = sum(t["logprob"] > e["logprob"] for t in e["top_logprobs"])
+        assert e["rank"] >= above + 1
+        if any(t["token_id"] == e["token_id"] for t in e["top_logprobs"]):
+            assert e["rank"] == above + 1
