@@ -88,8 +88,10 @@ def _kill_engine(server) -> None:
 
 @pytest.fixture
 def dying_server(request, tmp_path_factory):
-    unload = request.param
+    unload = request.param  # "true" / "false", or "vllm-true": the vLLM backend's ENABLE_VLLM_HEALTH_CHECK decides
     params = {**CPU_PARAMETERS, "test_fault_every_n_steps": "1", "unload_on_engine_failure": unload}
+    if unload == "vllm-true":  # the vLLM backend's name wins over ours
+        params.update(unload_on_engine_failure="false", ENABLE_VLLM_HEALTH_CHECK="true")
     server = launch_server(tmp_path_factory.mktemp(f"fault-1-unload-{unload}"), params)
     yield server
     close_server(server)
@@ -108,9 +110,10 @@ def test_dead_engine_answers_unavailable_when_it_stays_loaded(dying_server):
     assert kv_idle(server)
 
 
-@pytest.mark.parametrize("dying_server", ["true"], indirect=True)
+@pytest.mark.parametrize("dying_server", ["true", "vllm-true"], indirect=True)
 def test_dead_engine_unloads_itself_so_the_model_is_not_ready(dying_server):
-    """Default with explicit model control: the model unloads itself; ready turns 404/400; a load brings it back."""
+    """Default with explicit model control: the model unloads itself; ready turns 404/400; a load brings it back.
+    ENABLE_VLLM_HEALTH_CHECK true (the vLLM backend's health check) does the same, whatever ours says."""
     server = dying_server
     _kill_engine(server)
     wait_for(lambda: ready(server) != 200, 30, "the model to report not ready")

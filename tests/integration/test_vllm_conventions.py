@@ -13,7 +13,8 @@ import json
 import numpy as np
 import pytest
 
-from tests.integration.test_triton_serving import GrpcStream, grpc_inputs, http_generate
+from tests.integration.conftest import CPU_PARAMETERS, close_server, launch_server
+from tests.integration.test_triton_serving import GrpcStream, grpc_inputs, http_generate, scrape, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -118,3 +119,35 @@ def test_keys_we_cannot_honour_are_invalid_arg_with_a_reason(triton_server, extr
     response = http_generate(triton_server, {"text_input": "Hi", "sampling_parameters": json.dumps({**GREEDY, **extra})})
     assert response.status_code == 400, response.text
     assert message in response.json()["error"], response.json()
+
+
+def test_report_custom_metrics_adds_the_vllm_series(triton_server, tmp_path_factory):
+    """REPORT_CUSTOM_METRICS "true": the vLLM backend's vllm:* series, fed by the same observations as ours; without
+    it (the default server) there are none."""
+    assert "vllm:" not in _metrics_text(triton_server)
+    server = launch_server(tmp_path_factory.mktemp("vllm-metrics"), {**CPU_PARAMETERS, "REPORT_CUSTOM_METRICS": "true"})
+    try:
+        got = ask(server, "Hello there", {"max_tokens": 5, "temperature": 0, "ignore_eos": True}, stream=True,
+                  return_num_input_tokens=True)
+        assert not got.errors, got.errors
+        prompt_tokens = got.output("num_input_tokens")[0]
+        wait_for(lambda: scrape(server, "vllm:e2e_request_latency_seconds_count") == 1, 10, "vllm:* flushed")
+        assert scrape(server, "vllm:generation_tokens_total") == 5
+        assert scrape(server, "vllm:prompt_tokens_total") == prompt_tokens
+        assert scrape(server, "vllm:time_to_first_token_seconds_count") == 1
+        assert scrape(server, "vllm:time_per_output_token_seconds_count") == 4  # the tokens after the first
+        assert scrape(server, "vllm:request_generation_tokens_sum") == 5
+        assert scrape(server, "vllm:request_prompt_tokens_sum") == prompt_tokens
+        assert scrape(server, "vllm:request_params_n_count") == 1
+        text = _metrics_text(server)
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc"):
+            assert f"{gauge}{{" in text, gauge
+        assert scrape(server, "tandem_generation_tokens_total") == 5  # ours are still there
+    finally:
+        close_server(server)
+
+
+def _metrics_text(server) -> str:
+    import urllib.request
+
+    return urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()

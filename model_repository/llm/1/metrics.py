@@ -10,6 +10,12 @@ _TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 _E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# the vLLM backend's buckets for its vllm:* series (REPORT_CUSTOM_METRICS), so dashboards built on them line up
+_VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+_VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+_VLLM_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                     480.0, 960.0, 1920.0, 7680.0]
+_VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
 
 
 def _family(name: str, description: str, kind: Any) -> Any:
@@ -68,19 +74,91 @@ class _Counter:
             self._pending = 0.0
 
 
+class _Fanout:
+    """Several distributions or counters fed as one: Tandem's series and, where asked, the vLLM-named ones."""
+
+    def __init__(self, *items: Any):
+        self._items = items
+
+    def observe(self, value: float, count: int = 1) -> None:
+        for item in self._items:
+            item.observe(value, count)
+
+    def increment(self, value: float) -> None:
+        for item in self._items:
+            item.increment(value)
+
+    def flush(self) -> None:
+        for item in self._items:
+            item.flush()
+
+
+def _1_2_5_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to limit: vLLM's buckets for token counts."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return buckets
+            buckets.append(float(m * scale))
+        scale *= 10
+
+
+class _VllmSeries:
+    """The vllm:* series of Triton's vLLM backend (its REPORT_CUSTOM_METRICS), fed from the same observations."""
+
+    def __init__(self, labels: dict[str, str], max_model_len: int):
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        self.ttft = _Distribution("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                  labels, _VLLM_TTFT_BUCKETS)
+        self.tpot = _Distribution("vllm:time_per_output_token_seconds",
+                                  "Histogram of time per output token in seconds.", labels, _VLLM_TPOT_BUCKETS)
+        self.e2e = _Distribution("vllm:e2e_request_latency_seconds",
+                                 "Histogram of end to end request latency in seconds.", labels, _VLLM_E2E_BUCKETS)
+        tokens = _1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = _Distribution("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                                   labels, tokens)
+        self.request_generation_tokens = _Distribution("vllm:request_generation_tokens",
+                                                       "Number of generation tokens processed.", labels, tokens)
+        self.request_n = _Distribution("vllm:request_params_n", "Histogram of the n request parameter.", labels,
+                                       _VLLM_N_BUCKETS)
+        families = {
+            "prompt": _family("vllm:prompt_tokens_total", "Number of prefill tokens processed.", counter),
+            "generation": _family("vllm:generation_tokens_total", "Number of generation tokens processed.", counter),
+            "preemptions": _family("vllm:num_preemptions_total", "Number of preemption tokens processed.", counter),
+            "running": _family("vllm:num_requests_running", "Number of requests currently running on GPU.", gauge),
+            "waiting": _family("vllm:num_requests_waiting", "Number of requests waiting to be processed.", gauge),
+            "kv_usage": _family("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", gauge),
+        }
+        self.prompt_tokens = _Counter(families["prompt"].Metric(labels=labels))
+        self.generation_tokens = _Counter(families["generation"].Metric(labels=labels))
+        self.preemptions = families["preemptions"].Metric(labels=labels)
+        self.gauges = {k: families[k].Metric(labels=labels) for k in ("running", "waiting", "kv_usage")}
+
+    def request_finished(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_output_tokens)
+        self.request_n.observe(1)
+
+    def flush(self) -> None:
+        for item in (self.request_prompt_tokens, self.request_generation_tokens, self.request_n):
+            item.flush()
+
+
 class ServingMetrics:
     """Latency distributions, token counters and engine gauges; updated from the sender thread only. Counters and
     distributions reach Triton at flush(); gauges are set at each update_engine()."""
 
-    def __init__(self, model: str, version: str, instance: str = ""):
+    def __init__(self, model: str, version: str, instance: str = "", vllm_max_model_len: int | None = None):
+        """vllm_max_model_len: also report the vLLM backend's vllm:* series (token-count buckets up to it)."""
         # one series per model instance: instances share a family (same name), and a gauge written by two
         # instances would show whichever wrote last
         labels = {"model": model, "version": version, "instance": instance}
-        self.ttft = _Distribution("tandem_time_to_first_token_seconds", "Time to first token", labels, _TTFT_BUCKETS)
-        self.itl = _Distribution("tandem_inter_token_latency_seconds", "Time between output tokens", labels,
-                                 _ITL_BUCKETS)
-        self.e2e = _Distribution("tandem_request_latency_seconds", "Request arrival to final response", labels,
-                                 _E2E_BUCKETS)
+        self.vllm = _VllmSeries(labels, vllm_max_model_len) if vllm_max_model_len else None
+        ttft = _Distribution("tandem_time_to_first_token_seconds", "Time to first token", labels, _TTFT_BUCKETS)
+        itl = _Distribution("tandem_inter_token_latency_seconds", "Time between output tokens", labels, _ITL_BUCKETS)
+        e2e = _Distribution("tandem_request_latency_seconds", "Request arrival to final response", labels,
+                            _E2E_BUCKETS)
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         self._families = {
             "prompt": _family("tandem_prompt_tokens_total", "Prompt tokens of finished requests", counter),
@@ -95,8 +173,13 @@ class ServingMetrics:
             "healthy": _family("tandem_engine_healthy", "1 while the engine loop serves, 0 once it stopped", gauge),
         }
         f = self._families
-        self.prompt_tokens = _Counter(f["prompt"].Metric(labels=labels))
-        self.generation_tokens = _Counter(f["generation"].Metric(labels=labels))
+        prompt_tokens = _Counter(f["prompt"].Metric(labels=labels))
+        generation_tokens = _Counter(f["generation"].Metric(labels=labels))
+        v = self.vllm
+        pairs = ((ttft, v and v.ttft), (itl, v and v.tpot), (e2e, v and v.e2e), (prompt_tokens, v and v.prompt_tokens),
+                 (generation_tokens, v and v.generation_tokens))
+        self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens = (
+            _Fanout(ours, theirs) if theirs else ours for ours, theirs in pairs)
         self.finished = {r: _Counter(f["requests"].Metric(labels={**labels, "finish_reason": r}))
                          for r in FINISH_REASONS}
         self._preemptions = f["preemptions"].Metric(labels=labels)
@@ -104,8 +187,10 @@ class ServingMetrics:
         self._gauges = {k: f[k].Metric(labels=labels) for k in gauges}
         self._preemptions_seen = 0
 
-    def request_finished(self, finish_reason: str | None, num_prompt_tokens: int) -> None:
+    def request_finished(self, finish_reason: str | None, num_prompt_tokens: int, num_output_tokens: int = 0) -> None:
         self.prompt_tokens.increment(num_prompt_tokens)
+        if self.vllm is not None:
+            self.vllm.request_finished(num_prompt_tokens, num_output_tokens)
         counter = self.finished.get(finish_reason or "error")
         if counter is not None:
             counter.increment(1)
@@ -115,6 +200,8 @@ class ServingMetrics:
         for item in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens,
                      *self.finished.values()):
             item.flush()
+        if self.vllm is not None:
+            self.vllm.flush()
 
     def update_engine(self, stats: dict[str, Any]) -> None:
         """Copy engine.stats() into the gauges; the engine's preemption total becomes counter increments."""
@@ -126,7 +213,13 @@ class ServingMetrics:
         g["kv_usage"].set(used / total if total else 0.0)
         g["gpu_busy"].set(float(stats.get("gpu_busy_fraction", 0.0) or 0.0))
         g["healthy"].set(1.0 if stats.get("healthy", True) else 0.0)
+        if self.vllm is not None:
+            self.vllm.gauges["running"].set(float(stats.get("running", 0)))
+            self.vllm.gauges["waiting"].set(float(stats.get("waiting", 0)))
+            self.vllm.gauges["kv_usage"].set(used / total if total else 0.0)
         preemptions = int(stats.get("num_preemptions", stats.get("preemptions", 0)) or 0)
         if preemptions > self._preemptions_seen:
             self._preemptions.increment(preemptions - self._preemptions_seen)
+            if self.vllm is not None:
+                self.vllm.preemptions.increment(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions

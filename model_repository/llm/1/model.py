@@ -32,7 +32,10 @@ from protocol import parse_request  # noqa: E402
 from sender import FINAL, ResponseLoop, Stream, error_response  # noqa: E402
 
 # config.pbtxt parameters that are not engine settings
-ADAPTER_SETTINGS = ("stats_interval_s", "log_prompts", "unload_on_engine_failure")
+ADAPTER_SETTINGS = ("stats_interval_s", "log_prompts", "unload_on_engine_failure",
+                    # the vLLM backend's names, for configs written for it: its vllm:* metric series, and its health
+                    # check (an engine that stopped answers UNAVAILABLE and the model unloads: unload_on_engine_failure)
+                    "REPORT_CUSTOM_METRICS", "ENABLE_VLLM_HEALTH_CHECK")
 
 
 def stub_numpy_problem() -> str | None:
@@ -83,9 +86,11 @@ class TritonPythonModel:
         self._closing = False
         self._ids = itertools.count()
         instance = _instance_label(args)
-        metrics = ServingMetrics(args["model_name"], args["model_version"], instance)
+        vllm_series = self.engine.max_model_len if _truthy(adapter.get("REPORT_CUSTOM_METRICS", "false")) else None
+        metrics = ServingMetrics(args["model_name"], args["model_version"], instance, vllm_max_model_len=vllm_series)
         self._model_name = args["model_name"]
-        self._unload_on_failure = _truthy(adapter.get("unload_on_engine_failure", "true")) and _instances(config) == 1
+        unload = adapter.get("ENABLE_VLLM_HEALTH_CHECK", adapter.get("unload_on_engine_failure", "true"))
+        self._unload_on_failure = _truthy(unload) and _instances(config) == 1
         self.loop = ResponseLoop(self.engine, metrics, float(adapter.get("stats_interval_s", "0.5")),
                                  on_engine_dead=self._engine_dead)
         self.loop.start()

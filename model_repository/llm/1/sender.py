@@ -160,7 +160,7 @@ class ResponseLoop:
             response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
         self._send(stream, response, FINAL)
         self._metrics.e2e.observe(time.monotonic() - stream.arrival)
-        self._metrics.request_finished(out.finish_reason, out.num_prompt_tokens)
+        self._metrics.request_finished(out.finish_reason, out.num_prompt_tokens, len(out.token_ids))
 
     def _observe(self, stream: Stream, out: Any, now: float) -> None:
         n = len(out.delta_token_ids)
