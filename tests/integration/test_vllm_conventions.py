@@ -131,14 +131,15 @@ def test_report_custom_metrics_adds_the_vllm_series(triton_server, tmp_path_fact
                   return_num_input_tokens=True)
         assert not got.errors, got.errors
         prompt_tokens = got.output("num_input_tokens")[0]
-        wait_for(lambda: scrape(server, "vllm:e2e_request_latency_seconds_count") == 1, 10, "vllm:* flushed")
+        # request_params_n is the last series a flush sends: once it counts the request, the rest are in
+        wait_for(lambda: scrape(server, "vllm:request_params_n_count") == 1, 10, "vllm:* flushed")
+        assert scrape(server, "vllm:e2e_request_latency_seconds_count") == 1
         assert scrape(server, "vllm:generation_tokens_total") == 5
         assert scrape(server, "vllm:prompt_tokens_total") == prompt_tokens
         assert scrape(server, "vllm:time_to_first_token_seconds_count") == 1
         assert scrape(server, "vllm:time_per_output_token_seconds_count") == 4  # the tokens after the first
         assert scrape(server, "vllm:request_generation_tokens_sum") == 5
         assert scrape(server, "vllm:request_prompt_tokens_sum") == prompt_tokens
-        assert scrape(server, "vllm:request_params_n_count") == 1
         text = _metrics_text(server)
         for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc"):
             assert f"{gauge}{{" in text, gauge

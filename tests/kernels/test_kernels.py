@@ -158,8 +158,8 @@ def _contexts(n, rng, max_ctx):
 
 
 DECODE_CASES = [  # (hq, hkv, head_dim, block_size, dtype)
-    (8, 8, 128, 16, torch.float32),
-    (32, 8, 128, 16, torch.float32),
+    pytest.param(8, 8, 128, 16, torch.float32, marks=SLOW),
+    pytest.param(32, 8, 128, 16, torch.float32, marks=SLOW),
     (32, 4, 64, 16, torch.float32),
     (8, 8, 64, 32, torch.bfloat16),
     (32, 8, 128, 16, torch.bfloat16),
@@ -180,7 +180,7 @@ def test_decode(hq, hkv, d, bs, dtype):
     assert rel_err(out, case.reference()) < TOL[dtype]
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+@pytest.mark.parametrize("num_splits", [1, 2, 5, pytest.param(16, marks=SLOW)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_splits(num_splits, dtype):
     """Every split count gives the same answer, including splits that get no tiles of a short sequence."""
@@ -193,7 +193,7 @@ def test_decode_splits(num_splits, dtype):
 
 PREFILL_CASES = [  # (hq, hkv, head_dim, block_size, dtype)
     pytest.param(8, 8, 128, 16, torch.float32, marks=SLOW),
-    (32, 8, 128, 16, torch.float32),
+    pytest.param(32, 8, 128, 16, torch.float32, marks=SLOW),
     pytest.param(32, 4, 64, 32, torch.float32, marks=SLOW),
     (32, 8, 128, 16, torch.bfloat16),
     (9, 3, 64, 16, torch.bfloat16),
@@ -220,7 +220,7 @@ def test_chunked_prefill(hq, hkv, d, bs, dtype):
     assert rel_err(out, case.reference()) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=SLOW), torch.bfloat16])
 def test_matches_torch_path(dtype):
     """Same inputs through backend.ops.attention (the plain-torch path) and the Triton path: same answer."""
     from backend.ops import attention as torch_attention

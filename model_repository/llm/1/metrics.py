@@ -130,6 +130,7 @@ class _VllmSeries:
             "waiting": _family("vllm:num_requests_waiting", "Number of requests waiting to be processed.", gauge),
             "kv_usage": _family("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", gauge),
         }
+        self._families = families  # a family dropped by Python is dropped by Triton, with its series
         self.prompt_tokens = _Counter(families["prompt"].Metric(labels=labels))
         self.generation_tokens = _Counter(families["generation"].Metric(labels=labels))
         self.preemptions = families["preemptions"].Metric(labels=labels)
