@@ -55,8 +55,11 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}  # engine thread only
         self._ids_lock = threading.Lock()
-        self._active_ids: set[str] = set()
-        self._waiting_count = 0  # approximate, for the bounded queue (updated under _ids_lock)
+        # every live id → its caller's id: a request's own id, or for n > 1 the id of each sample and of the group
+        self._active_ids: dict[str, str] = {}
+        self._live_samples: dict[str, int] = {}  # n > 1: samples of each caller id not released yet
+        self._samples_in_flight = 0  # for the bounded queue (under _ids_lock)
+        self._groups: dict[str, list[Request]] = {}  # n > 1: the caller's id → its samples (engine thread only)
         self._id_counter = itertools.count()
         self._stopping = False
         self._shut_down = False
@@ -96,31 +99,66 @@ class Engine:
 
     def _prepare(self, prompt, params, request_id, sink, stream_outputs: bool = True
                  ) -> tuple[Request, RequestStream | None]:
-        """Validate and register a request (caller thread); the loop learns of it from the inbox."""
+        """Validate and register a request (caller thread); the loop learns of it from the inbox. With n > 1 the
+        request returned is the first sample; the others wait in its forks for its prompt's KV blocks."""
         if not self.healthy:
             raise EngineDead("the engine is not running")
         params = params or SamplingParams()
-        token_ids = self._tokenize(prompt)
+        token_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
         self._check_request(token_ids, params)
+        bad_words = self._bad_word_ids(params.bad_words)
         request_id = str(request_id) if request_id is not None else f"req-{next(self._id_counter)}"
+        n = params.n
+        ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         with self._ids_lock:
-            if request_id in self._active_ids:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            if len(self._active_ids) >= self.config.max_waiting_requests + self.config.max_num_seqs:
+            taken = [i for i in {request_id, *ids} if i in self._active_ids]
+            if taken:
+                raise ValueError(f"request_id {taken[0]!r} is already in use")
+            limit = self.config.max_waiting_requests + self.config.max_num_seqs
+            if self._samples_in_flight + n > limit:
                 raise EngineOverloaded(
-                    f"{len(self._active_ids)} requests in flight (limit {self.config.max_waiting_requests} "
+                    f"{self._samples_in_flight} requests in flight (limit {self.config.max_waiting_requests} "
                     f"waiting + {self.config.max_num_seqs} running); retry later")
-            self._active_ids.add(request_id)
-        seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + hash(request_id)) & 0x7FFFFFFF
+            self._active_ids.update({i: request_id for i in (request_id, *ids)})
+            if n > 1:
+                self._live_samples[request_id] = n
+            self._samples_in_flight += n
         eos = frozenset(self.spec.eos_token_ids)
-        req = Request(request_id, token_ids, params, seed, eos)
-        req.final_only = not stream_outputs and not params.stop and params.logprobs is None
+        samples = []
+        for index, sample_id in enumerate(ids):
+            if params.seed is not None:
+                seed = params.seed + index  # samples of one seeded request differ, and repeat run to run
+            else:
+                seed = (self.config.seed * 1_000_003 + hash(sample_id)) & 0x7FFFFFFF
+            req = Request(sample_id, token_ids, params, seed, eos, group_id=request_id, sample_index=index,
+                          bad_word_ids=bad_words)
+            req.final_only = not stream_outputs and not params.stop and params.logprobs is None
+            samples.append(req)
+        samples[0].forks = samples[1:]
         stream = None
         if sink is None:
-            stream = RequestStream(request_id, self)
+            stream = RequestStream(request_id, self, num_samples=n)
             sink = stream.queue
-        self.outputs.register(req, sink, stream=stream_outputs)
-        return req, stream
+        for req in samples:
+            self.outputs.register(req, sink, stream=stream_outputs)
+        return samples[0], stream
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (mid-text), as vLLM bans them."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs the model's tokenizer, and this engine has none")
+        seqs: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if plain:
+                seqs.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            # the spaced form counts when it is another word token of the same length (not a space token + the word)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                seqs.append(spaced)
+        return seqs
 
     def flush_outputs(self, timeout: float = 5.0) -> bool:
         """Wait until every output the engine has produced so far has reached its request's sink."""
@@ -132,7 +170,7 @@ class Engine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in the prompts' order."""
+        """Run prompts to completion; outputs in the prompts' order (n > 1: the prompt's n samples in turn)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -146,16 +184,18 @@ class Engine:
                 reqs.append(self._prepare(prompt, p, f"gen-{next(self._id_counter)}", sink, stream_outputs=False)[0])
         except Exception:
             for req in reqs:
-                self.outputs.discard(req.request_id)
+                for sample in (req, *req.forks):
+                    self.outputs.discard(sample.request_id)
             raise
         self._inbox.put(("add", reqs))  # all at once: they start in the same step
-        ids = [r.request_id for r in reqs]
-        finals: dict[str, RequestOutput] = {}
-        while len(finals) < len(ids):
+        # one final output per sample: n of them per prompt, in sample order
+        keys = [(r.group_id, i) for r in reqs for i in range(r.params.n)]
+        finals: dict[tuple[str, int], RequestOutput] = {}
+        while len(finals) < len(keys):
             out = sink.get()
             if out.finished:
-                finals[out.request_id] = out
-        return [finals[rid] for rid in ids]
+                finals[(out.request_id, out.index)] = out
+        return [finals[key] for key in keys]
 
     def stats(self) -> dict:
         """Figures for metrics: queue sizes, KV usage, prefix hits, preemptions, busy fraction."""
@@ -189,7 +229,8 @@ class Engine:
                 torch.cuda.empty_cache()
 
     # ---- input checks (caller thread) ------------------------------------------------------------
-    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def _tokenize(self, prompt: str | Sequence[int], keep_last: int | None = None) -> list[int]:
+        """The prompt's token ids; keep_last (truncate_prompt_tokens): only its last keep_last tokens."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -199,8 +240,9 @@ class Engine:
             if len(prompt) > limit:
                 raise ValueError(f"prompt has {len(prompt)} characters; at most {limit} are accepted "
                                  f"({_MAX_CHARS_PER_TOKEN} per token of the maximum model length {self.max_model_len})")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
+            ids = self.tokenizer.encode(prompt)
+            return ids[-keep_last:] if keep_last else ids
+        ids = list(prompt)[-keep_last:] if keep_last else list(prompt)
         if not ids:
             raise ValueError("prompt token ids are empty")
         if len(ids) >= self.max_model_len:  # before the per-id scan: a huge list is refused at once
@@ -376,6 +418,9 @@ class Engine:
         req.finish_reason = reason
         self.scheduler.remove(req)
         self._requests.pop(req.request_id, None)
+        group = self._groups.get(req.group_id)
+        if group is not None and all(r.is_finished for r in group):
+            del self._groups[req.group_id]
         if next_state is not None and req.last_step_id == next_state.batch.step_id:
             next_state.batch.free_after.append(req)
         else:
@@ -390,13 +435,18 @@ class Engine:
             kind, a, b = item if len(item) == 3 else (item[0], item[1], None)
             if kind == "add":
                 for req in a:
-                    self._requests[req.request_id] = req
+                    for sample in (req, *req.forks):  # the forks join the scheduler with their first sample's KV
+                        self._requests[sample.request_id] = sample
+                    if req.forks:
+                        self._groups[req.group_id] = [req, *req.forks]
                     self.scheduler.add(req)
-            elif kind == "abort":
-                req = self._requests.get(a)
-                if req is not None:
-                    self._finish(req, b, self._inflight)
-                    self.outputs.push([StepEvent(a, None, None, b, all_tokens=_tokens_if_final_only(req))])
+            elif kind == "abort":  # a caller's id (every sample of it) or one sample's (its stop string)
+                group = self._groups.get(a)
+                for req in group if group is not None else [self._requests.get(a)]:
+                    if req is not None and not req.is_finished:
+                        self._finish(req, b, self._inflight)
+                        self.outputs.push([StepEvent(req.request_id, None, None, b,
+                                                     all_tokens=_tokens_if_final_only(req))])
             elif kind == "timeline":
                 if a:
                     self.timeline.enable()
@@ -414,8 +464,20 @@ class Engine:
         self._inbox.put(("abort", request_id, FINISH_STOP))
 
     def _release_id(self, request_id: str) -> None:
+        """A request's (or one sample's) final output went out: its id is free again, and its caller's once every
+        sample of it is done."""
         with self._ids_lock:
-            self._active_ids.discard(request_id)
+            group = self._active_ids.pop(request_id, None)
+            if group is None:
+                return
+            self._samples_in_flight -= 1
+            if group != request_id:
+                left = self._live_samples[group] - 1
+                if left:
+                    self._live_samples[group] = left
+                else:
+                    del self._live_samples[group]
+                    self._active_ids.pop(group, None)
 
     def _drain_inflight(self) -> None:
         """Read the step still on the device before stopping, so its blocks are returned."""
@@ -448,6 +510,7 @@ class Engine:
             self.block_manager.free(req)
             self.outputs.push([StepEvent(req.request_id, None, None, reason, message, _tokens_if_final_only(req))])
         self._requests.clear()
+        self._groups.clear()
         self.scheduler.clear()
         while True:  # requests still in the inbox were accepted too: answer them
             try:
@@ -455,7 +518,8 @@ class Engine:
             except queue.Empty:
                 break
             if item[0] == "add":
-                self.outputs.push([StepEvent(r.request_id, None, None, reason, message) for r in item[1]])
+                self.outputs.push([StepEvent(s.request_id, None, None, reason, message)
+                                   for r in item[1] for s in (r, *r.forks)])
         self._refresh_stats()
 
     def _refresh_stats(self) -> None:

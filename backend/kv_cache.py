@@ -85,6 +85,17 @@ class BlockManager:
         req.block_hashes = []
         req.blocks_freed = True
 
+    def share_prompt(self, src: Request, dst: Request) -> None:
+        """dst, another sample of src's prompt, takes src's full prompt blocks (whose KV src's queued steps write)
+        as its own computed tokens; it computes the rest, at least the last prompt token, in blocks of its own."""
+        shared = (src.num_prompt_tokens - 1) // self.block_size
+        dst.block_ids = src.block_ids[:shared]
+        dst.block_hashes = src.block_hashes[:shared]
+        for block in dst.block_ids:
+            self.ref_counts[block] += 1
+        dst.blocks_freed = False
+        dst.num_computed_tokens = dst.num_cached_tokens = shared * self.block_size
+
     # ---- prefix caching ------------------------------------------------------------------------
     def match_prefix(self, req: Request) -> int:
         """Share cached blocks of req's prompt; returns the number of tokens they cover."""

@@ -240,7 +240,7 @@ class OutputProcessor:
         if not delta_ids and not delta_text and reason is None:
             return
         out = RequestOutput(
-            request_id=req.request_id, all_token_ids=state.token_ids, num_tokens=len(state.token_ids),
+            request_id=req.group_id, index=req.sample_index, all_token_ids=state.token_ids, num_tokens=len(state.token_ids),
             text=state.text, delta_token_ids=delta_ids, delta_text=delta_text, finished=reason is not None,
             finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
             logprobs=state.logprobs, delta_logprobs=delta_lp, error=ev.error,
@@ -258,8 +258,10 @@ class OutputProcessor:
             return
         state.released = True
         self._release(request_id)
-        state.sink.put(RequestOutput(request_id, state.token_ids, state.text, [], "", True, reason,
-                                     state.request.num_prompt_tokens, len(state.token_ids), error=message))
+        req = state.request
+        state.sink.put(RequestOutput(req.group_id, state.token_ids, state.text, [], "", True, reason,
+                                     req.num_prompt_tokens, len(state.token_ids), error=message,
+                                     index=req.sample_index))
 
     def _release(self, request_id: str) -> None:
         with self._lock:
@@ -268,21 +270,23 @@ class OutputProcessor:
 
 
 def coalesce_outputs(items: list) -> list:
-    """Outputs of one request waiting together for a slow consumer become one: the later one, carrying the joined
-    deltas. Other items (a consumer's own markers) keep their places; nothing of their request (of any request,
-    for a marker without a request_id) is joined across them."""
+    """Outputs of one request (one sample of it) waiting together for a slow consumer become one: the later one,
+    carrying the joined deltas. Other items (a consumer's own markers) keep their places; nothing of their request
+    (of any request, for a marker without a request_id) is joined across them."""
     merged: list = []
-    newest: dict[str, int] = {}  # request_id → index in merged of its newest unfinished output
+    newest: dict[tuple[str, int], int] = {}  # (request_id, sample) → index in merged of its newest unfinished output
     for item in items:
         rid = getattr(item, "request_id", None)
         if not isinstance(item, RequestOutput):
             if rid is None:
                 newest.clear()
             else:
-                newest.pop(rid, None)
+                for key in [k for k in newest if k[0] == rid]:
+                    del newest[key]
             merged.append(item)
             continue
-        j = newest.pop(rid, None)
+        key = (rid, item.index)
+        j = newest.pop(key, None)
         if j is not None:
             earlier, merged[j] = merged[j], None
             item.delta_token_ids = earlier.delta_token_ids + item.delta_token_ids
@@ -291,7 +295,7 @@ def coalesce_outputs(items: list) -> list:
                 item.delta_logprobs = (earlier.delta_logprobs or []) + (item.delta_logprobs or [])
         merged.append(item)
         if not item.finished:
-            newest[rid] = len(merged) - 1
+            newest[key] = len(merged) - 1
     return [m for m in merged if m is not None]
 
 
@@ -304,12 +308,15 @@ def _logprob_entry(token: int, logprob) -> dict:
 
 
 class RequestStream:
-    """Iterator over one request's outputs; stops after the final one. Closing it aborts the request."""
+    """Iterator over one request's outputs (of each of its n samples); stops after the final ones. Closing it
+    aborts the request."""
 
-    def __init__(self, request_id: str, engine) -> None:
+    def __init__(self, request_id: str, engine, num_samples: int = 1) -> None:
         self.request_id = request_id
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self._engine = engine
+        self._samples_left = num_samples
+        self._finals: dict[int, RequestOutput] = {}
         self._done = False
 
     def __iter__(self):
@@ -320,15 +327,20 @@ class RequestStream:
             raise StopIteration
         out = self.queue.get()
         if out.finished:
-            self._done = True
+            self._finals[out.index] = out
+            self._samples_left -= 1
+            self._done = self._samples_left == 0
         return out
 
     def result(self) -> RequestOutput:
-        """Wait for the final output."""
-        last = None
-        for last in self:
+        """Wait for the final output (of the first sample, with n > 1: see results)."""
+        return self.results()[0]
+
+    def results(self) -> list[RequestOutput]:
+        """Wait for every sample's final output; in sample order."""
+        for _ in self:
             pass
-        return last
+        return [self._finals[i] for i in sorted(self._finals)]
 
     def cancel(self) -> None:
         if not self._done:

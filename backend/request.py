@@ -13,6 +13,8 @@ FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 
 MAX_LOGPROBS = 20
+MAX_SAMPLES = 64  # n: samples of one prompt
+MAX_LOGIT_BIAS = 100.0  # |bias| is clamped to this, as vLLM does
 
 
 @dataclass(slots=True)
@@ -35,6 +37,11 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: and the top n
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    n: int = 1  # samples of the prompt, sharing its KV blocks
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] = field(default_factory=list)  # non-empty: sample only among these
+    bad_words: list[str] = field(default_factory=list)  # never generated (each as text, with and without a space)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +50,10 @@ class SamplingParams:
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if isinstance(self.logit_bias, dict):  # JSON object keys are strings: {"50256": -100}
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.validate()
 
     @classmethod
@@ -86,6 +97,25 @@ class SamplingParams:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _int("n", self.n, 1, MAX_SAMPLES)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be an object of token id -> bias")
+        for token, bias in self.logit_bias.items():
+            _float(f"logit_bias[{token}]", bias, -math.inf, math.inf)
+            self.logit_bias[token] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(bias)))
+        if not isinstance(self.allowed_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids
+        ):
+            raise ValueError("allowed_token_ids must be a list of non-negative integers")
+        if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be a string or a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """Edits of the logits beyond temperature and penalties: biases, an allowed set, banned words."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     def check_limits(self, max_stop_strings: int, max_stop_string_length: int, vocab_size: int) -> None:
         """Checks that depend on the engine's configuration and model."""
@@ -94,9 +124,20 @@ class SamplingParams:
         for s in self.stop:
             if len(s) > max_stop_string_length:
                 raise ValueError(f"stop: each stop string must be at most {max_stop_string_length} characters")
-        for t in self.stop_token_ids:
-            if t >= vocab_size:
-                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
+                          ("logit_bias", list(self.logit_bias))):
+            for t in ids:
+                if t >= vocab_size:
+                    raise ValueError(f"{name}: {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def _token_key(key: Any) -> int:
+    """A logit_bias key: a token id, as an int or the string JSON object keys are."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
 
 
 def _int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -156,12 +197,22 @@ class Request:
     # the caller wants the final output only and nothing needs per-token work (stop strings, logprobs): the loop
     # sends no per-step events for it, only the final one with all its tokens
     final_only: bool = False
+    # n > 1: the caller's id for all samples, and which sample this is (outputs carry both)
+    group_id: str = ""
+    sample_index: int = 0
+    # samples that wait for this one's prompt: once its last prompt chunk is scheduled they share its KV blocks
+    forks: list["Request"] = field(default_factory=list)
+    bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words as token sequences
+    edits_logits: bool = False  # min_tokens, logit_bias, allowed_token_ids or bad_words: see logit_rules
 
     def __post_init__(self) -> None:
         p = self.params
         self.plain_greedy = (p.temperature == 0.0 and p.logprobs is None and p.min_tokens == 0
                              and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                             and p.frequency_penalty == 0.0)
+                             and p.frequency_penalty == 0.0 and not p.has_logit_rules)
+        self.edits_logits = bool(p.min_tokens) or p.has_logit_rules
+        if not self.group_id:
+            self.group_id = self.request_id
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending
@@ -215,6 +266,7 @@ class RequestOutput:
     delta_logprobs: list[dict[str, Any]] | None = None
     error: str | None = None  # message when finish_reason == "error"
     num_cached_tokens: int = 0
+    index: int = 0  # which sample of the request (n > 1); request_id is the caller's, shared by all samples
     first_token_time: float | None = None  # final outputs: time.monotonic() when the engine read the first token
 
     @property

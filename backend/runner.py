@@ -11,6 +11,7 @@ from .kv_cache import NULL_BLOCK
 from .ops.attention import AttentionMetadata
 from .pipeline import Pipeline, Slot, SlotLayout
 from .request import Request
+from .logit_rules import logit_edits
 from .sampler import Sampler, SamplingTensors, assemble_tensors, fill_host_rows, fill_padding_rows, pad_token_table
 from .scheduler import ScheduledBatch
 from .timeline import Timeline
@@ -315,7 +316,7 @@ class ModelRunner:
             bucket = None  # penalty tables vary in width: run this step eagerly
             rows = len(st.sampled)
             sampling = self._sampling(st, rows)
-        banned = self._banned_stop_tokens(st.sampled)
+        edits = logit_edits(st.sampled, self.device)
         prev_slot = self.pipeline.other(slot)
         has_carry = prev is not None and bool(prev.row_of)
 
@@ -327,10 +328,10 @@ class ModelRunner:
                                              prev_slot if has_carry else None, len(st.sampled))
             if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
                 return 0
-            if bucket is not None and banned is None and sampling.all_greedy and sampling.num_logprobs < 0:
+            if bucket is not None and edits is None and sampling.all_greedy and sampling.num_logprobs < 0:
                 return rows  # the graph already wrote the greedy tokens into this slot's outputs
-            if banned is not None:
-                logits[banned] = float("-inf")  # min_tokens: no stop token before the minimum
+            if edits is not None:  # min_tokens bans, logit_bias, allowed_token_ids, bad_words
+                edits.apply(logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:len(st.sampled)]])
             if sampling.any_penalty:
                 self._append_input_tokens(slot, sampling, len(st.sampled))
             out = self.sampler(logits[:rows], sampling)
@@ -346,21 +347,6 @@ class ModelRunner:
 
         self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, slot.host_f32.numel(), compute,
                              st.read_logprobs)
-
-    def _banned_stop_tokens(self, sampled: list[Request]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, tokens) to mask for requests still short of min_tokens; None when there are none."""
-        rows, toks = [], []
-        for j, r in enumerate(sampled):
-            if r.params.min_tokens and r.num_output_tokens - 1 < r.params.min_tokens:
-                stops = r.stop_ids
-                rows += [j] * len(stops)
-                toks += sorted(stops)
-        if not rows:
-            return None
-        pin = self.device.type == "cuda"
-        index = torch.tensor([rows, toks], dtype=torch.int64).pin_memory() if pin else torch.tensor([rows, toks])
-        index = index.to(self.device, non_blocking=True)
-        return index[0], index[1]
 
     def carry_over(self, slot: Slot, prev_slot: Slot | None, num_tokens: int) -> torch.Tensor:
         """Input ids with placeholders replaced by the previous step's sampled tokens (on the device)."""

@@ -45,12 +45,15 @@ class Scheduler:
         self.steady: SteadyBatch | None = None  # the running requests as arrays, while they stay the same
         self._last_requests: list[Request] = []  # the previous general step's requests
         self._next_step_id = 0
+        # samples (n > 1) that took their first sample's prompt blocks while scheduling the last step: they queue
+        # at the next schedule, so no step reads KV that the same step writes
+        self._forked: list[Request] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._forked)
 
     def remove(self, req: Request) -> None:
         """Drop a finished or aborted request from the queues (its blocks are freed by the engine)."""
@@ -58,6 +61,8 @@ class Scheduler:
             self.running.remove(req)
             if self.steady is not None:
                 self.steady.remove(req)
+        elif req in self._forked:
+            self._forked.remove(req)
         else:
             try:
                 self.waiting.remove(req)
@@ -68,11 +73,15 @@ class Scheduler:
         """Forget every request (the engine failed or stopped them all)."""
         self.waiting.clear()
         self.running.clear()
+        self._forked.clear()
         self.steady = None
         self._last_requests = []
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step: running requests first (oldest first), then waiting ones in arrival order."""
+        if self._forked:  # first in line: they arrived with the sample that just finished its prompt
+            self.waiting.extendleft(reversed(self._forked))
+            self._forked.clear()
         if self.steady is not None:
             batch = self._schedule_steady(self.steady)
             if batch is not None:
@@ -200,6 +209,12 @@ class Scheduler:
         batch.num_tokens += n
         if n != 1:
             batch.is_decode_only = False
+        if req.forks and req.num_computed_tokens >= req.num_prompt_tokens:
+            live = [sample for sample in req.forks if not sample.is_finished]
+            for sample in live:
+                self.block_manager.share_prompt(req, sample)
+            self._forked += live
+            req.forks = []
 
     def _preempt(self, req: Request) -> None:
         """Free req's blocks and requeue it first in line; it recomputes its tokens when readmitted."""

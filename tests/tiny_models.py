@@ -33,7 +33,7 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     """Token i is the word '<i>': text and ids map one to one."""
     vocab = {f"<{i}>": i for i in range(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"<{EOS}>")
 

@@ -140,3 +140,33 @@ def test_logprobs_and_ranks(root):
         assert e["rank"] >= above + 1
         if any(t["token_id"] == e["token_id"] for t in e["top_logprobs"]):
             assert e["rank"] == above + 1
+
+
+def test_samples_and_logit_rules_through_decode_graphs(root):
+    """On CUDA (decode graphs, async pipeline): n = 4 greedy samples share the prompt's blocks and equal
+    transformers; seeded samples equal lone requests seeded seed + i; logit_bias, allowed_token_ids and a
+    two-token bad word (checked on the device against the carried-over token) equal transformers' processors."""
+    path = build_tiny("llama", root)
+    prompt = random_prompts([37], seed=12)[0]
+    free = hf_greedy(path, prompt, 16)
+    engine = Engine(EngineConfig(model=path, device="cuda", dtype="float32", num_kv_blocks=256, block_size=16,
+                                 max_num_seqs=8, async_pipeline=True, cuda_graphs=True))
+    try:
+        greedy = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+        outs = engine.generate([prompt], SamplingParams(n=4, **greedy))
+        assert [o.token_ids for o in outs] == [free] * 4
+        assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]
+        sampled = dict(max_tokens=16, temperature=1.0, top_k=50, ignore_eos=True)
+        outs = engine.generate([prompt], SamplingParams(n=4, seed=5, **sampled))
+        singles = engine.generate([prompt] * 4, [SamplingParams(seed=5 + i, **sampled) for i in range(4)])
+        assert [o.token_ids for o in outs] == [s.token_ids for s in singles]
+        bias = engine.generate([prompt], SamplingParams(logit_bias={free[0]: -100.0}, **greedy))[0]
+        assert bias.token_ids == hf_greedy(path, prompt, 16, sequence_bias={(free[0],): -100.0})
+        allowed = [3, 50, 70, 90]
+        restricted = engine.generate([prompt], SamplingParams(allowed_token_ids=allowed, **greedy))[0]
+        assert restricted.token_ids == hf_greedy(path, prompt, 16, prefix_allowed_tokens_fn=lambda b, i: allowed)
+        words = [free[5], free[6]]
+        banned = engine.generate([prompt], SamplingParams(bad_words=[engine.tokenizer.decode(words)], **greedy))[0]
+        assert banned.token_ids == hf_greedy(path, prompt, 16, bad_words_ids=[words]) != free
+    finally:
+        engine.shutdown()

@@ -100,16 +100,16 @@ def test_string_booleans_mean_what_they_say(triton_server):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"n": 2}, "n = 2: several samples of one prompt are not supported yet"),
+    ({"n": 65}, "n must be in [1, 64]"),
     ({"n": 1, "best_of": 2}, "best_of (2) must equal n (1)"),
     ({"lora_name": "adapter"}, "LoRA is not enabled"),
     ({"guided_decoding": json.dumps({"json": {"type": "object"}})}, "structured outputs"),
     ({"structured_outputs": json.dumps({"regex": "[0-9]+"})}, "structured outputs"),
-    ({"logit_bias": {"42": 5.0}}, "logit_bias: per-token logit biases is not supported yet"),
-    ({"allowed_token_ids": [1, 2, 3]}, "allowed_token_ids"),
-    ({"bad_words": ["dragon"]}, "bad_words"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"truncate_prompt_tokens": 16}, "truncate_prompt_tokens"),
+    ({"logit_bias": {"dragon": 5.0}}, "logit_bias keys must be token ids"),
+    ({"allowed_token_ids": [10**7]}, "allowed_token_ids: 10000000 is outside the vocabulary"),
+    ({"bad_words": [""]}, "bad_words must be a string or a list of non-empty strings"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs must be -1 or more"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be >= 1"),
     ({"detokenize": False}, "detokenize: only true is supported"),
     ({"logprobs": -1}, "the whole vocabulary"),
     ({"n": "two"}, "n must be an integer"),
@@ -119,6 +119,61 @@ def test_keys_we_cannot_honour_are_invalid_arg_with_a_reason(triton_server, extr
     response = http_generate(triton_server, {"text_input": "Hi", "sampling_parameters": json.dumps({**GREEDY, **extra})})
     assert response.status_code == 400, response.text
     assert message in response.json()["error"], response.json()
+
+
+def _texts(response) -> list[str]:
+    return [t.decode() for t in response.as_numpy("text_output")]
+
+
+def test_n_samples_come_as_one_entry_each(triton_server):
+    """n = 3 as the vLLM backend returns it: every output an array of 3, sample i what a lone request seeded
+    seed + i gives; streamed, each response carries one sample's delta (the others empty) and one final closes all."""
+    sampling = {"max_tokens": 6, "temperature": 0.9, "seed": 21, "ignore_eos": True}
+    flags = dict(exclude_input_in_output=True, return_finish_reason=True, return_num_output_tokens=True,
+                 return_cumulative_logprob=True)
+    prompt = "Write a word:"
+    singles = [ask(triton_server, prompt, {**sampling, "seed": 21 + i}, stream=False, **flags) for i in range(3)]
+    want = [s.text() for s in singles]
+    unary = ask(triton_server, prompt, {**sampling, "n": 3, "best_of": 3}, stream=False, **flags)
+    assert not unary.errors and unary.finals == 1 and len(unary.responses) == 1, unary.errors
+    final = unary.responses[0]
+    assert _texts(final) == want
+    assert [r.decode() for r in final.as_numpy("finish_reason")] == ["length"] * 3
+    assert final.as_numpy("num_output_tokens").tolist() == [6, 6, 6]
+    assert final.as_numpy("cumulative_logprob").shape == (3,)
+    streamed = ask(triton_server, prompt, {**sampling, "n": 3}, stream=True, **flags)
+    assert not streamed.errors and streamed.finals == 1, streamed.errors
+    joined = ["", "", ""]
+    counts = [0, 0, 0]
+    for response in streamed.responses:
+        texts = _texts(response)
+        assert len(texts) == 3 and sum(bool(t) for t in texts) <= 1  # one sample's news per response
+        joined = [a + b for a, b in zip(joined, texts)]
+        counts = [a + b for a, b in zip(counts, response.as_numpy("num_output_tokens").tolist())]
+    assert joined == want and counts == [6, 6, 6]
+    last = [r.decode() for r in streamed.responses[-1].as_numpy("finish_reason")]
+    assert last == ["length"] * 3
+
+
+def test_logit_rules_and_truncation_change_what_is_generated(triton_server):
+    """allowed_token_ids, logit_bias (string keys, as JSON and OpenAI send them), bad_words and
+    truncate_prompt_tokens through the real server."""
+    ids_flags = dict(return_output_ids=True, return_num_input_tokens=True, exclude_input_in_output=True)
+    prompt = "List three colors:"
+    free = ask(triton_server, prompt, GREEDY, stream=False, **ids_flags)
+    free_ids = free.output("output_ids")
+    allowed = ask(triton_server, prompt, {**GREEDY, "allowed_token_ids": [28, 29]}, stream=False, **ids_flags)
+    assert set(allowed.output("output_ids")) <= {28, 29}
+    biased = ask(triton_server, prompt, {**GREEDY, "logit_bias": {"31": 100}}, stream=False, **ids_flags)
+    assert biased.output("output_ids") == [31] * 8
+    word = free.text().split()[0]
+    banned = ask(triton_server, prompt, {**GREEDY, "bad_words": [word]}, stream=False, **ids_flags)
+    assert not banned.errors and banned.output("output_ids") != free_ids
+    assert word not in banned.text().split()
+    full = free.output("num_input_tokens")[0]
+    cut = ask(triton_server, prompt, {**GREEDY, "truncate_prompt_tokens": 2, "prompt_logprobs": 1}, stream=False,
+              **ids_flags)
+    assert not cut.errors and full > 2 and cut.output("num_input_tokens") == [2]
 
 
 def test_report_custom_metrics_adds_the_vllm_series(triton_server, tmp_path_factory):

@@ -136,10 +136,10 @@ class _VllmSeries:
         self.preemptions = families["preemptions"].Metric(labels=labels)
         self.gauges = {k: families[k].Metric(labels=labels) for k in ("running", "waiting", "kv_usage")}
 
-    def request_finished(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
+    def request_finished(self, num_prompt_tokens: int, num_output_tokens: int, n: int) -> None:
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_output_tokens)
-        self.request_n.observe(1)
+        self.request_n.observe(n)
 
     def flush(self) -> None:
         for item in (self.request_prompt_tokens, self.request_generation_tokens, self.request_n):
@@ -188,10 +188,12 @@ class ServingMetrics:
         self._gauges = {k: f[k].Metric(labels=labels) for k in gauges}
         self._preemptions_seen = 0
 
-    def request_finished(self, finish_reason: str | None, num_prompt_tokens: int, num_output_tokens: int = 0) -> None:
+    def request_finished(self, finish_reason: str | None, num_prompt_tokens: int, num_output_tokens: int = 0,
+                         n: int = 1) -> None:
+        """One request's end; num_output_tokens over all of its n samples (the prompt counts once)."""
         self.prompt_tokens.increment(num_prompt_tokens)
         if self.vllm is not None:
-            self.vllm.request_finished(num_prompt_tokens, num_output_tokens)
+            self.vllm.request_finished(num_prompt_tokens, num_output_tokens, n)
         counter = self.finished.get(finish_reason or "error")
         if counter is not None:
             counter.increment(1)

@@ -14,7 +14,7 @@ RETURN_FLAGS = (
     "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
     "return_output_ids", "return_cumulative_logprob",
 )
-_INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
+_INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n", "truncate_prompt_tokens"}
 _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
 
@@ -149,33 +149,47 @@ def _coerce(key: str, value: Any) -> Any:
     return value
 
 
-def response_arrays(req: GenerateRequest, out: Any, prefix: str = "",
-                    decode_token: Callable[[int], str] = str) -> dict[str, np.ndarray]:
-    """Tensors for one response: the delta when streaming, everything (after `prefix`) at the end otherwise.
+def response_arrays(req: GenerateRequest, outs: list[Any], prefix: str = "",
+                    decode_token: Callable[[int], str] = str, new: int | None = None) -> dict[str, np.ndarray]:
+    """Tensors for one response, one entry per sample (n > 1: the sample's newest output in outs[i], or None): the
+    delta of sample `new` when streaming (the other samples' entries empty), everything (after `prefix`) at the
+    end otherwise.
 
     decode_token: a token id's text, for the logprobs output's decoded_token."""
-    if req.stream:
-        text, ids, logprobs = out.delta_text, out.delta_token_ids, out.delta_logprobs
-    else:
-        text, ids, logprobs = prefix + out.text, out.token_ids, out.logprobs
-    arrays = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+    texts, id_lists, logprob_lists, reasons, totals = [], [], [], [], []
+    for i, out in enumerate(outs):
+        if out is None or (req.stream and i != new):  # streaming: nothing new for this sample
+            texts.append(""), id_lists.append([]), logprob_lists.append([])
+        elif req.stream:
+            texts.append(out.delta_text), id_lists.append(out.delta_token_ids)
+            logprob_lists.append(out.delta_logprobs or [])
+        else:
+            texts.append(prefix + out.text), id_lists.append(out.token_ids), logprob_lists.append(out.logprobs or [])
+        # "None" until the sample's last response, as the vLLM backend sends str(None)
+        reasons.append(out.finish_reason if out is not None and out.finished and out.finish_reason else "None")
+        totals.append(sum(entry["logprob"] for entry in out.logprobs or ()) if out is not None else 0.0)
+    arrays = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
     if req.return_finish_reason:
-        # "None" until the last response, as the vLLM backend sends str(None)
-        reason = out.finish_reason if out.finished and out.finish_reason else "None"
-        arrays["finish_reason"] = np.array([reason.encode()], dtype=np.object_)
+        arrays["finish_reason"] = np.array([r.encode() for r in reasons], dtype=np.object_)
     # token counts are UINT32, as the vLLM backend sends them (Triton's OpenAI frontend reads usage from UINT32 only)
     if req.return_num_input_tokens:
-        arrays["num_input_tokens"] = np.array([out.num_prompt_tokens], dtype=np.uint32)
+        first = next(out for out in outs if out is not None)
+        arrays["num_input_tokens"] = np.array([first.num_prompt_tokens], dtype=np.uint32)
     if req.return_num_output_tokens:
-        arrays["num_output_tokens"] = np.array([len(ids)], dtype=np.uint32)
+        arrays["num_output_tokens"] = np.array([len(ids) for ids in id_lists], dtype=np.uint32)
     if req.return_cumulative_logprob:  # the sum over every output token so far, also when streaming
-        total = sum(entry["logprob"] for entry in out.logprobs or ())
-        arrays["cumulative_logprob"] = np.array([total], dtype=np.float32)
+        arrays["cumulative_logprob"] = np.array(totals, dtype=np.float32)
     if req.return_output_ids:
-        arrays["output_ids"] = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(outs) == 1:
+            arrays["output_ids"] = np.asarray(id_lists[0], dtype=np.int64).reshape(-1)
+        else:  # n rows of one width, padded with -1, back to back (reshape to (n, -1))
+            width = max(map(len, id_lists))
+            arrays["output_ids"] = np.array([t for ids in id_lists for t in ids + [-1] * (width - len(ids))],
+                                            dtype=np.int64)
     if req.return_logprobs:
-        value = vllm_logprobs(logprobs or [], decode_token) if req.asked_logprobs else None
-        arrays["logprobs"] = np.array([json.dumps(value).encode()], dtype=np.object_)
+        arrays["logprobs"] = np.array(
+            [json.dumps(vllm_logprobs(lps, decode_token) if req.asked_logprobs else None).encode()
+             for lps in logprob_lists], dtype=np.object_)
     return arrays
 
 

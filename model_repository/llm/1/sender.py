@@ -5,7 +5,7 @@ import functools
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import triton_python_backend_utils as pb_utils
@@ -40,6 +40,19 @@ class Stream:
     first_token: float | None = None
     last_token: float | None = None
     cancelled: bool = False
+    # each sample's newest output (n > 1: a response carries one entry per sample), and how many have finished
+    latest: list[Any] = field(default_factory=list)
+    num_finished: int = 0
+
+    def __post_init__(self) -> None:
+        self.latest = [None] * self.req.params.n
+
+    def take(self, out: Any) -> bool:
+        """Keep a sample's newest output; True once the request is over (every sample finished, or one failed)."""
+        if self.latest[out.index] is None or not self.latest[out.index].finished:
+            self.latest[out.index] = out
+            self.num_finished += out.finished
+        return out.finished and (self.num_finished == len(self.latest) or out.finish_reason in ("error", "abort"))
 
 
 def error_response(message: str, code: Any) -> Any:
@@ -134,11 +147,13 @@ class ResponseLoop:
         if stream is None:
             return  # already answered (error, cancel or shutdown)
         self._observe(stream, out, time.monotonic())
-        if out.finished:
+        if stream.take(out):
             if self.claim(out.request_id) is not None:
                 self._finish(stream, out)
-        elif stream.req.stream and not stream.cancelled and self._worth_sending(stream.req, out):
-            tensors = [pb_utils.Tensor(k, v) for k, v in response_arrays(stream.req, out, "", self._decode_token).items()]
+        elif (stream.req.stream and not stream.cancelled
+              and (self._worth_sending(stream.req, out) or out.finished)):  # a sample's end: its finish_reason
+            arrays = response_arrays(stream.req, stream.latest, "", self._decode_token, new=out.index)
+            tensors = [pb_utils.Tensor(k, v) for k, v in arrays.items()]
             self._send(stream, pb_utils.InferenceResponse(output_tensors=tensors), 0)
 
     @staticmethod
@@ -148,6 +163,9 @@ class ResponseLoop:
         return bool(out.delta_text) or (token_level and bool(out.delta_token_ids))
 
     def _finish(self, stream: Stream, out: Any) -> None:
+        """The request's one final response: for n > 1 after its last sample (or a failed one: the rest stop)."""
+        if len(stream.latest) > 1 and out.finish_reason in ("error", "abort"):
+            self._engine.abort(stream.request_id)
         if stream.cancelled:
             response = None  # the client is gone: only close the stream
         elif out.finish_reason == "error":
@@ -156,11 +174,12 @@ class ResponseLoop:
             msg = f"request aborted after {len(out.token_ids)} tokens: the model is unloading or the engine stopped"
             response = error_response(msg, pb_utils.TritonError.UNAVAILABLE)
         else:
-            arrays = response_arrays(stream.req, out, stream.prefix, self._decode_token)
+            arrays = response_arrays(stream.req, stream.latest, stream.prefix, self._decode_token, new=out.index)
             response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
         self._send(stream, response, FINAL)
         self._metrics.e2e.observe(time.monotonic() - stream.arrival)
-        self._metrics.request_finished(out.finish_reason, out.num_prompt_tokens, len(out.token_ids))
+        generated = sum(len(sample.token_ids) for sample in stream.latest if sample is not None)
+        self._metrics.request_finished(out.finish_reason, out.num_prompt_tokens, generated, len(stream.latest))
 
     def _observe(self, stream: Stream, out: Any, now: float) -> None:
         n = len(out.delta_token_ids)

@@ -1,9 +1,9 @@
 """Sampling keys that Triton's vLLM backend takes and Tandem's SamplingParams has no field for.
 
-Clients of that backend (Triton's OpenAI-compatible frontend among them) send them with every request: "n": 1,
-"best_of": 1, chat's "logprobs": false with "top_logprobs", nulls for unset fields. Each key is either accepted,
-where it asks for what Tandem does anyway, or refused with a message that says it is not supported; a key no
-client of that backend sends stays an error in SamplingParams itself.
+Clients of that backend (Triton's OpenAI-compatible frontend among them) send them with every request: "best_of"
+(= n), chat's "logprobs": false with "top_logprobs", nulls for unset fields. Each key is either translated to a
+SamplingParams field, accepted where it asks for what Tandem does anyway, or refused with a message that says
+why; a key no client of that backend sends stays an error in SamplingParams itself.
 """
 from __future__ import annotations
 
@@ -11,14 +11,6 @@ from typing import Any
 
 # keys whose only value Tandem honours is the one vLLM defaults to
 _DEFAULT_ONLY = {"detokenize": True, "spaces_between_special_tokens": True}
-# keys refused unless empty: what each would need
-_NOT_SUPPORTED = {
-    "logit_bias": "per-token logit biases",
-    "allowed_token_ids": "a restricted vocabulary",
-    "bad_words": "banned word sequences",
-    "prompt_logprobs": "logprobs of the prompt's tokens",
-    "truncate_prompt_tokens": "prompt truncation",
-}
 _STRUCTURED = ("structured_outputs", "guided_decoding")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
@@ -35,9 +27,13 @@ def translate_vllm_keys(values: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"n must be at least 1, got {n}")
     if best_of != n:
         raise ValueError(f"best_of ({best_of}) must equal n ({n}): every sample is returned, none is dropped")
-    if n > 1:
-        raise ValueError(f"n = {n}: several samples of one prompt are not supported yet; send n: 1 (or {n} "
-                         f"requests with different seeds)")
+    if n != 1:
+        out["n"] = n
+    # the vLLM backend has no output for prompt logprobs, so a client never sees them: nothing to compute
+    if _integer(out.pop("prompt_logprobs", 0), "prompt_logprobs") < -1:
+        raise ValueError("prompt_logprobs must be -1 or more")
+    if out.get("truncate_prompt_tokens") in (-1, "-1"):  # vLLM: "up to the model's length", which prompts are anyway
+        del out["truncate_prompt_tokens"]
     top = out.pop("top_logprobs", None)
     if "logprobs" in out:
         wanted = _as_bool(out["logprobs"])
@@ -56,9 +52,6 @@ def translate_vllm_keys(values: dict[str, Any]) -> dict[str, Any]:
     for key, default in _DEFAULT_ONLY.items():
         if key in out and _as_bool(out.pop(key)) is not default:
             raise ValueError(f"{key}: only {str(default).lower()} is supported")
-    for key, what in _NOT_SUPPORTED.items():
-        if out.pop(key, None) not in (None, {}, [], 0):
-            raise ValueError(f"{key}: {what} is not supported yet")
     return out
 
 
