@@ -10,17 +10,19 @@ from client.client import Client
 from client.collect import Collector
 from client.errors import TandemConnectionError, TandemError
 from client.schema import GenerateRequest
-from client.urls import DEFAULT_URLS, PROTOCOLS
+from client.urls import DEFAULT_URLS, PROTOCOLS, resolve
 
-EXIT_SERVER_ERROR, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 1, 3, 130
+EXIT_SERVER_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m client", description=__doc__)
     p.add_argument("prompt", nargs="?", help="the prompt; '-' or nothing reads it from stdin")
-    p.add_argument("--url", help=f"server address (default: grpc {DEFAULT_URLS['grpc']}, http {DEFAULT_URLS['http']})")
+    p.add_argument("--url", help="server address: http://host:port means HTTP, grpc://host:port or host:port gRPC "
+                   f"(default: grpc {DEFAULT_URLS['grpc']}, http http://{DEFAULT_URLS['http']})")
     p.add_argument("--model", default="llm", help="Triton model name (default: llm)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
+    p.add_argument("--protocol", choices=PROTOCOLS, help="default: the --url scheme's, else grpc; "
+                   "one that contradicts the scheme is an error")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, help="0 = greedy (server default when omitted)")
     p.add_argument("--top-p", type=float)
@@ -31,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-stream", action="store_true", help="ask for the whole answer in one response")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", help="system message for --chat")
-    p.add_argument("--tokenizer", help="local model folder or .gguf whose chat template --chat uses "
+    p.add_argument("--tokenizer", help="local model folder or .gguf whose chat template --chat uses, or 'chatml' "
                    "(default: the engine's default model)")
     p.add_argument("--json", action="store_true", help="machine output: one JSON object per line")
     p.add_argument("--timeout", type=float, help="seconds to wait for each response")
@@ -87,7 +89,7 @@ def report_error(err: TandemError, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"type": "error", "status": err.status, "message": err.message}), flush=True)
     if isinstance(err, TandemConnectionError):
-        print(f"error: cannot reach Triton at {err.url} — start it with `make serve`", file=sys.stderr)
+        print(f"error: {err.message}", file=sys.stderr)
         return EXIT_UNREACHABLE
     print(f"error: server said {err}", file=sys.stderr)
     return EXIT_SERVER_ERROR
@@ -96,10 +98,11 @@ def report_error(err: TandemError, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        args.protocol, args.url = resolve(args.url, args.protocol)
         req = build_request(args, read_prompt(args))
     except (TypeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     started = time.perf_counter()
     try:
         with Client(args.url, args.protocol, args.model, args.timeout) as client:

@@ -6,7 +6,7 @@ from typing import AsyncIterator, Iterator
 
 from client.collect import Collector
 from client.schema import Chunk, GenerateRequest, Result
-from client.urls import check_protocol, grpc_target, http_base
+from client.urls import resolve
 
 
 def make_request(prompt: str | GenerateRequest, params: dict) -> GenerateRequest:
@@ -19,18 +19,17 @@ def make_request(prompt: str | GenerateRequest, params: dict) -> GenerateRequest
 class Client:
     """Blocking client: `stream()` yields Chunks as they arrive, `generate()` returns the whole Result."""
 
-    def __init__(self, url: str | None = None, protocol: str = "grpc", model: str = "llm",
+    def __init__(self, url: str | None = None, protocol: str | None = None, model: str = "llm",
                  timeout: float | None = None):
-        self.protocol = check_protocol(protocol)
-        if protocol == "grpc":
+        """protocol None: the URL's scheme decides (http:// → HTTP, grpc:// or host:port → gRPC)."""
+        self.protocol, self.url = resolve(url, protocol)
+        if self.protocol == "grpc":
             from client.grpc_sync import GrpcStreamer
 
-            self.url = grpc_target(url)
             self._transport = GrpcStreamer(self.url, model, timeout)
         else:
             from client.http_sync import HttpStreamer
 
-            self.url = http_base(url)
             self._transport = HttpStreamer(self.url, model, timeout)
         self.model = model
 
@@ -47,6 +46,10 @@ class Client:
     def is_ready(self) -> bool:
         return self._transport.is_ready()
 
+    def check_ready(self) -> None:
+        """Raise TandemConnectionError when the server cannot be reached, TandemError when the model is not ready."""
+        self._transport.check_ready()
+
     def close(self) -> None:
         self._transport.close()
 
@@ -60,18 +63,16 @@ class Client:
 class AsyncClient:
     """asyncio client with the same API as Client; concurrent streams share one connection."""
 
-    def __init__(self, url: str | None = None, protocol: str = "grpc", model: str = "llm",
+    def __init__(self, url: str | None = None, protocol: str | None = None, model: str = "llm",
                  timeout: float | None = None):
-        self.protocol = check_protocol(protocol)
-        if protocol == "grpc":
+        self.protocol, self.url = resolve(url, protocol)
+        if self.protocol == "grpc":
             from client.grpc_aio import AsyncGrpcStreamer
 
-            self.url = grpc_target(url)
             self._transport = AsyncGrpcStreamer(self.url, model, timeout)
         else:
             from client.http_aio import AsyncHttpStreamer
 
-            self.url = http_base(url)
             self._transport = AsyncHttpStreamer(self.url, model, timeout)
         self.model = model
 

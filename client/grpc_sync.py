@@ -13,6 +13,8 @@ from client.request import grpc_inputs
 from client.response import chunk_from_grpc, is_empty_grpc
 from client.schema import Chunk, GenerateRequest
 
+READY_TIMEOUT_S = 5.0
+
 
 class GrpcStreamer:
     """One channel to Triton; one stream at a time (use one per thread or greenlet)."""
@@ -61,6 +63,16 @@ class GrpcStreamer:
             return responses.get(timeout=self.timeout)
         except queue.Empty:
             raise TandemError(f"no response within {self.timeout} s", "DEADLINE_EXCEEDED") from None
+
+    def check_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Raise TandemConnectionError when the server cannot be reached, TandemError when the model is not ready."""
+        try:
+            ready = (self._client.is_server_live(client_timeout=timeout)
+                     and self._client.is_model_ready(self.model, client_timeout=timeout))
+        except InferenceServerException as err:
+            raise from_grpc(err, self.url) from None
+        if not ready:
+            raise TandemError(f"model '{self.model}' is not ready at {self.url} (gRPC)", "UNAVAILABLE")
 
     def is_ready(self) -> bool:
         """Server live and this model ready; False (not an exception) when the server is down."""

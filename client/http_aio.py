@@ -5,7 +5,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from client.errors import TandemConnectionError, TandemError, from_http
+from client.errors import TandemConnectionError, TandemError, connection_detail, from_http
 from client.request import http_body
 from client.response import chunk_from_json
 from client.schema import Chunk, GenerateRequest
@@ -46,7 +46,7 @@ class AsyncHttpStreamer:
                 if (data := decoder.flush()) is not None:
                     yield chunk_from_json(data)
         except aiohttp.ClientConnectorError as err:
-            raise TandemConnectionError(self.base_url.split("://", 1)[-1], type(err).__name__) from None
+            raise TandemConnectionError(self.base_url.split("://", 1)[-1], connection_detail(err), "http") from None
         except aiohttp.ClientError as err:
             raise TandemError(f"stream from {self.base_url} broke: {err}", "UNAVAILABLE") from None
 

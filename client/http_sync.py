@@ -5,11 +5,13 @@ from typing import Iterator
 
 import requests
 
-from client.errors import TandemConnectionError, TandemError, from_http
+from client.errors import TandemConnectionError, TandemError, connection_detail, from_http
 from client.request import http_body
 from client.response import chunk_from_json
 from client.schema import Chunk, GenerateRequest
 from client.sse import iter_events
+
+READY_TIMEOUT_S = 5.0
 
 
 class HttpStreamer:
@@ -43,9 +45,21 @@ class HttpStreamer:
         try:
             return self._session.post(url, json=body, stream=True, timeout=self.timeout)
         except requests.ConnectionError as err:
-            raise TandemConnectionError(self.base_url.split("://", 1)[-1], type(err).__name__) from None
+            raise TandemConnectionError(self.base_url.split("://", 1)[-1], connection_detail(err), "http") from None
         except requests.Timeout:
             raise TandemError(f"no response within {self.timeout} s", "DEADLINE_EXCEEDED") from None
+
+    def check_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Raise TandemConnectionError when the server cannot be reached, TandemError when the model is not ready."""
+        try:
+            r = self._session.get(f"{self.base_url}/v2/models/{self.model}/ready", timeout=timeout)
+        except requests.ConnectionError as err:
+            raise TandemConnectionError(self.base_url.split("://", 1)[-1], connection_detail(err), "http") from None
+        except requests.RequestException as err:
+            raise TandemError(f"readiness check at {self.base_url} failed: {err}", "UNAVAILABLE") from None
+        if r.status_code != 200:
+            raise TandemError(f"model '{self.model}' is not ready at {self.base_url} (HTTP {r.status_code})",
+                              "UNAVAILABLE", r.status_code)
 
     def is_ready(self) -> bool:
         try:

@@ -216,7 +216,7 @@ def test_cli_without_a_server_says_how_to_start_one():
     proc = subprocess.run([sys.executable, "-m", "client", "hi", "--url", "localhost:1"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3
-    assert "cannot reach Triton at localhost:1" in proc.stderr and "make serve" in proc.stderr
+    assert "cannot reach Triton over gRPC at localhost:1" in proc.stderr and "make serve" in proc.stderr
 
 
 def test_cli_rejects_bad_sampling_values_before_connecting():
