@@ -40,15 +40,17 @@ bench: venv
 
 LOADTEST_USERS ?= 8
 LOADTEST_DURATION ?= 60
-LOADTEST_PROTOCOL ?= grpc
 LOADTEST_MAX_TOKENS ?= 128
+# the host's scheme picks the protocol: localhost:8001 (gRPC, the default) or http://localhost:8000
 LOADTEST_HOST ?=
+LOADTEST_PROTOCOL ?=
 LOADTEST_ARGS ?=
 
+# against a running server; non-zero exit on any failure or missed SLO, 2 when the server cannot be reached
 loadtest: venv
 	$(PY) -m loadtest.run --users $(LOADTEST_USERS) --duration $(LOADTEST_DURATION) \
-	    --protocol $(LOADTEST_PROTOCOL) --max-tokens $(LOADTEST_MAX_TOKENS) \
-	    $(if $(LOADTEST_HOST),--host $(LOADTEST_HOST)) $(LOADTEST_ARGS)
+	    --max-tokens $(LOADTEST_MAX_TOKENS) $(if $(LOADTEST_HOST),--host $(LOADTEST_HOST)) \
+	    $(if $(LOADTEST_PROTOCOL),--protocol $(LOADTEST_PROTOCOL)) $(LOADTEST_ARGS)
 
 SOAK_DURATION ?= 600
 SOAK_ARGS ?=

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+CHATML = "chatml"  # the name that asks for FALLBACK_TEMPLATE itself
 # ChatML: what SmolLM2, Qwen and many small instruct models use; the fallback when no template is found.
 FALLBACK_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -31,7 +32,7 @@ class ChatTemplate:
 
     @classmethod
     def fallback(cls) -> "ChatTemplate":
-        return cls(FALLBACK_TEMPLATE)
+        return cls(FALLBACK_TEMPLATE, origin=CHATML)
 
 
 def _raise(message: str):
@@ -96,7 +97,9 @@ def default_model_path() -> Path | None:
 
 
 def load_template(path: str | Path | None = None) -> tuple[ChatTemplate, str | None]:
-    """The template for `path` (or the default model); falls back to ChatML with a note saying why."""
+    """The template for `path` (or the default model; "chatml": ChatML itself); falls back to ChatML with a note."""
+    if str(path).lower() == CHATML:
+        return ChatTemplate.fallback(), None
     target = Path(path) if path else default_model_path()
     if target is None:
         return ChatTemplate.fallback(), "no --tokenizer and no default model folder: using a ChatML template"

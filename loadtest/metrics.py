@@ -45,3 +45,9 @@ def sample(result: Result, start_unix: float, protocol: str) -> dict:
 def failure_sample(error: Exception, start_unix: float, protocol: str, elapsed_ms: float) -> dict:
     """One line of the samples file for a failed request (Locust's final CSV can miss the last second)."""
     return {"start": start_unix, "protocol": protocol, "error": str(error), "e2e_ms": elapsed_ms}
+
+
+def stopped_sample(result: Result, start_unix: float, protocol: str, stopped_ms: float) -> dict:
+    """A request the end of the run cut off: its tokens so far (e2e_ms: its last response) count in the throughput
+    chart, not in the latency figures; stopped_ms is when the stop came, the end of the run."""
+    return sample(result, start_unix, protocol) | {"stopped": True, "stopped_ms": stopped_ms}

@@ -32,7 +32,7 @@ def distribution(values: list[float]) -> dict[str, float] | None:
         return None
     arr = np.asarray(values, dtype=float)
     out = {f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}
-    return {**out, "mean": float(arr.mean()), "min": float(arr.min()), "max": float(arr.max())}
+    return {**out, "mean": float(arr.mean()), "min": float(arr.min()), "max": float(arr.max()), "count": len(arr)}
 
 
 def from_samples(samples: list[dict]) -> dict:
@@ -66,7 +66,9 @@ def from_locust_csv(stats: list[dict[str, str]]) -> dict:
     for metric, name in _CSV_NAMES.items():
         row = rows.get(name)
         out[metric] = None if row is None else {
-            **{f"p{p}": to_float(row.get(f"{p}%")) for p in PERCENTILES}, "mean": to_float(row["Average Response Time"])}
+            **{f"p{p}": to_float(row.get(f"{p}%")) for p in PERCENTILES},
+            "mean": to_float(row["Average Response Time"]),
+            "count": int(row["Request Count"]) - int(row["Failure Count"])}
     return out
 
 
@@ -97,12 +99,31 @@ def check_slos(summary: dict, slo_ttft_p95_ms: float | None, slo_itl_p95_ms: flo
     return slos
 
 
+def decoding(settings: dict, ok: list[dict]) -> dict:
+    """How the run asked the model to decode (prompt format, ignore_eos) and what it did: finish reasons, how many
+    requests gave an inter-token latency (two or more tokens) and how many ended after one token or none."""
+    return {
+        "prompt_format": settings.get("prompt_format", "raw"),
+        "ignore_eos": bool(settings.get("ignore_eos")),
+        "finish_reasons": dict(Counter(str(s.get("finish_reason")) for s in ok)),
+        "requests_with_itl": sum(1 for s in ok if s.get("itl_ms") is not None),
+        "one_token_or_less": sum(1 for s in ok if (s.get("output_tokens") or 0) <= 1),
+    }
+
+
+def in_flight_at_stop(stopped: list[dict]) -> dict:
+    """Requests the end of the run cut off: their tokens count in the throughput chart, not in the figures."""
+    return {"requests": len(stopped), "output_tokens": sum(s.get("output_tokens") or 0 for s in stopped)}
+
+
 def summarize(prefix: Path, samples_path: Path, settings: dict, slo_ttft=None, slo_itl=None) -> dict:
     stats = read_csv(Path(f"{prefix}_stats.csv"))
     samples = read_samples(samples_path)
-    ok = [s for s in samples if "error" not in s]
+    ok = [s for s in samples if "error" not in s and not s.get("stopped")]
     summary = {"settings": settings, "source": "samples" if ok else "locust_csv"}
     summary.update(from_samples(ok) if ok else from_locust_csv(stats))
+    summary["decoding"] = decoding(settings, ok)
+    summary["in_flight_at_stop"] = in_flight_at_stop([s for s in samples if s.get("stopped")])
     failed = [s for s in samples if "error" in s]
     summary["failures"] = failures(stats, read_csv(Path(f"{prefix}_failures.csv")), failed)
     summary["slo"] = check_slos(summary, slo_ttft, slo_itl)
@@ -123,9 +144,22 @@ def table(summary: dict) -> str:
         dist = summary.get(metric)
         cells = [dist.get(f"p{p}") for p in PERCENTILES] + [dist.get("mean")] if dist else [None] * 5
         lines.append(f"{metric:<10}" + "".join(f"{c:>10.1f}" if c is not None else f"{'-':>10}" for c in cells))
+    lines.append(decoding_line(summary))
     for name, slo in summary["slo"].items():
         got = "-" if slo["measured"] is None else f"{slo['measured']:.1f}"
         lines.append(f"SLO {name} <= {slo['target']}: measured {got} -> {'pass' if slo['passed'] else 'MISSED'}")
     for message, count in summary["failures"]["messages"].items():
         lines.append(f"failure x{count}: {message}")
     return "\n".join(lines)
+
+
+def decoding_line(summary: dict) -> str:
+    """One line saying how the prompts were sent and whether the requests really decoded."""
+    d, cut = summary.get("decoding") or {}, summary.get("in_flight_at_stop") or {}
+    finish = ", ".join(f"{k} {v}" for k, v in sorted((d.get("finish_reasons") or {}).items())) or "-"
+    line = (f"decoding: prompts {d.get('prompt_format', '?')}, ignore_eos {'on' if d.get('ignore_eos') else 'off'}; "
+            f"finish {finish}; ITL from {d.get('requests_with_itl', 0)} of {summary['requests']} requests, "
+            f"{d.get('one_token_or_less', 0)} ended after one token or none")
+    if cut.get("requests"):
+        line += f"; cut off at the stop: {cut['requests']} requests, {cut['output_tokens']} tokens (chart only)"
+    return line

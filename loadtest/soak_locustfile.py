@@ -22,24 +22,21 @@ import gevent
 import greenlet
 from locust import User, between, constant, events, task
 
-from client import Client, GenerateRequest, TandemError
-from client.chat import ChatTemplate
+from client import Client, GenerateRequest, TandemConnectionError, TandemError
 from loadtest import locustfile as base  # a module, not its classes: Locust would run every User in this namespace
+from loadtest.backoff import Backoff
 from loadtest.metrics import failure_sample
 
 CANCEL, BAD_INPUT = "cancel", "bad_input"
 TIMED_CANCEL_SHARE = 0.2  # cancels at a random time (maybe before the first token) rather than after n tokens
 _events_file = None
 _clients: list[Client] = []  # closed at test stop, see close_clients
-_CHAT = ChatTemplate.fallback()  # ChatML: without it SmolLM2-Instruct mostly answers a raw prompt with EOS at once
 
 
 @events.init_command_line_parser.add_listener
 def add_soak_options(parser):
     parser.add_argument("--http-host", default="", env_var="LOADTEST_HTTP_HOST",
                         help="also use HTTP (e.g. http://localhost:8000): each user picks gRPC or HTTP")
-    parser.add_argument("--raw-prompts", action="store_true", env_var="LOADTEST_RAW_PROMPTS",
-                        help="send prompts as they are (default: in ChatML, the default model's chat template)")
     parser.add_argument("--events-file", default="", env_var="LOADTEST_EVENTS_FILE",
                         help="append one JSON line per expected cancel or refused bad input")
 
@@ -83,13 +80,14 @@ def record_event(row: dict) -> None:
 def pick_transport(user: User) -> tuple[str, str]:
     """gRPC, or HTTP for about half the users when --http-host is set: both frontends cancel differently."""
     opts = user.environment.parsed_options
+    protocol, address = base.target()  # stops the user when the run's start was refused
     if opts.http_host and user.rng.random() < 0.5:
         return "http", opts.http_host
-    return opts.protocol, user.host
+    return protocol, address
 
 
 class SoakMixin:
-    """What every soak user shares: gRPC or HTTP, ChatML prompts, unexpected outcomes as failures.
+    """What every soak user shares: gRPC or HTTP, prompts as base.LLMUser makes them, unexpected outcomes as failures.
 
     A mixin, not a base User: Locust gives a User class every @task of its bases too, so CancelUser and
     BadInputUser must not inherit base.LLMUser's normal-stream task.
@@ -97,6 +95,7 @@ class SoakMixin:
 
     wait_time = constant(0)
     on_stop = base.LLMUser.on_stop
+    request = base.LLMUser.request  # in the chat template unless --raw-prompts (see loadtest/locustfile.py)
     _fire = base.LLMUser._fire
 
     def on_start(self):
@@ -104,20 +103,17 @@ class SoakMixin:
         self.rng = random.Random()
         self.protocol, host = pick_transport(self)
         self.client = Client(host, self.protocol, opts.model)
+        self.backoff = Backoff()
         _clients.append(self.client)
-
-    def request(self) -> GenerateRequest:
-        req = base.LLMUser.request(self)
-        if not self.environment.parsed_options.raw_prompts:
-            req.prompt = _CHAT.render(req.prompt)
-        return req
 
     def fail(self, name: str, err: Exception, started: float, start_unix: float) -> None:
         """An unexpected outcome: a Locust failure and a failure line in the samples file."""
         elapsed_ms = (time.perf_counter() - started) * 1000.0
         self._fire(name, elapsed_ms, 0, err)
         base._record(failure_sample(err, start_unix, self.protocol, elapsed_ms) | {"kind": name})
-        if not isinstance(err, TandemError):
+        if isinstance(err, TandemConnectionError):
+            time.sleep(self.backoff.failed())  # a server that went away fails in microseconds: wait, retry
+        elif not isinstance(err, TandemError):
             time.sleep(base.ERROR_BACKOFF_S)  # a client-side bug fails instantly: don't starve gevent's timers
 
 
@@ -150,6 +146,7 @@ class CancelUser(SoakMixin, User):
             stream.close()  # cancels on the server (gRPC stop_stream(cancel_requests=True); HTTP closes)
         ms = (time.perf_counter() - started) * 1000.0
         self._fire(CANCEL, ms, tokens)
+        self.backoff.succeeded()
         record_event({"kind": CANCEL, "start": start_unix, "protocol": self.protocol, "ms": ms, "tokens": tokens,
                       "timed": timed})
 
@@ -211,6 +208,7 @@ class BadInputUser(SoakMixin, User):
             if self._expected(err, case):
                 ms = (time.perf_counter() - started) * 1000.0
                 self._fire(BAD_INPUT, ms, 0)
+                self.backoff.succeeded()
                 record_event({"kind": BAD_INPUT, "start": start_unix, "protocol": self.protocol, "case": case.name})
                 return
             self.fail(BAD_INPUT, TandemError(f"{case.name}: wrong refusal: {err}", err.status), started, start_unix)
