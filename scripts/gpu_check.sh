@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One GPU-machine session: GPU tests, then the benchmarks. Everything lands in four files under $OUT (the device
-# tool brings back only a few files per call): gpu.txt, gpu_tests.log, bench.log (every run's output, each
-# headed "== name") and bench.jsonl (each run's JSON line, tagged with its name).
-# BENCHES="name:timeout:args+with+plus ..." e.g. "small:150:--workload+small-64+--modes+async".
+# GPU tests, then benchmarks, on any host with a CUDA GPU and this repository's dependencies installed.
+# Results go to four files under $OUT (default ./out): gpu.txt (nvidia-smi: GPU name, memory used, SM clock),
+# gpu_tests.log (the last lines of pytest), bench.log (every benchmark's output, each headed "== name") and
+# bench.jsonl (each benchmark's JSON line, tagged with its name).
+# TESTS="<pytest paths>" runs those tests first (T_TESTS: their timeout in seconds, default 200).
+# BENCHES="name:timeout:args+with+plus ..." runs `python -m bench.offline` once per entry, the pluses read as
+# spaces, e.g. BENCHES="small:150:--workload+small-64+--modes+async". PY: the Python to use (default python3).
 set -u
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
@@ -15,7 +18,7 @@ fi
 bench() {  # name, timeout, args...
   local name=$1 t=$2; shift 2
   local log; log=$(mktemp)
-  timeout "$t" "$PY" -m backend.bench "$@" > "$log" 2>&1
+  timeout "$t" "$PY" -m bench.offline "$@" > "$log" 2>&1
   echo "rc=$? (timeout $t s)" >> "$log"
   { echo "== $name: $*"; cat "$log"; } >> "$OUT/bench.log"
   grep -E "engine=|Error|error|^rc=" "$log" | grep -v '^{' | cut -c1-400 | sed "s/^/$name  /" | head -12

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# GPU machine, one call: Tandem served by a real tritonserver (the one carried from the nvidia-pytriton wheel),
-# compared with the engine alone (scripts.serve_bench), then Locust at 32, 64 and 128 users. Figures under $OUT.
+# On a host with a CUDA GPU: Tandem served by a real tritonserver (the one inside the nvidia-pytriton wheel),
+# compared with the engine alone (bench.serve_bench), then Locust at 32, 64 and 128 users.
+# Results under $OUT (default ./out): serve_bench.log, triton_tests.log, locust.jsonl (one summary per user
+# count), locust_server.log, the last level's charts (locust_<users>_*.png), and pyspy_gil.txt / pyspy.log with PYSPY.
+# MODEL (default random:llama-3-8b), LEVELS (serve_bench's concurrencies, default 32,64,128), NEW_TOKENS (default
+# 512), USERS (default "32 64 128"), LOCUST_DURATION (seconds, default 60); SERVE_BENCH=0 or LOCUST=0 skips a part.
 # SERVE_ARGS: more serve_bench options (e.g. --engine-stream).
 # PYSPY=<seconds>: py-spy samples the model's stub process (threads holding the GIL) from its start, into pyspy_gil.txt.
-# TRITON_TESTS=<pytest paths> first runs tests that need the carried tritonserver (e.g. the multi-GPU test).
-# At most seven files come back: serve_bench.log, triton_tests.log, locust.jsonl (one summary per user count),
-# locust_server.log and the last level's three charts.
+# TRITON_TESTS=<pytest paths> first runs tests that need this tritonserver (e.g. the multi-GPU test).
 #
-# The machine has no registry: carry `.whl/` (git-ignored) holding pytriton-trim.tar.xz (the wheel's pytriton/ and
-# nvidia_pytriton.libs/ without what a Python 3.12 server doesn't need), numpy-1.26.4 (the wheel's stub needs
-# NumPy 1), tritonclient + python-rapidjson, and locust with the dependencies the machine lacks (README, GPU).
+# Installs nothing from a package registry, so it runs on hosts without one: everything comes from `.whl/`
+# (git-ignored), holding pytriton-trim.tar.xz (the wheel's pytriton/ and nvidia_pytriton.libs/ without what a
+# Python 3.12 server doesn't need), numpy-1.26.4 (the wheel's stub needs NumPy 1), tritonclient + python-rapidjson,
+# and locust with the dependencies the host lacks (README, "Benchmarks and load tests"). Unpacked into /tmp.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -38,7 +41,7 @@ if [ -n "${PYSPY:-}" ]; then  # PYSPY=<seconds>: sample which stub threads hold 
 fi
 
 if [ "${SERVE_BENCH:-1}" = 1 ]; then
-  timeout "${T_SERVE_BENCH:-330}" "$PY" -m scripts.serve_bench --model "$MODEL" --concurrency "${LEVELS:-32,64,128}" \
+  timeout "${T_SERVE_BENCH:-330}" "$PY" -m bench.serve_bench --model "$MODEL" --concurrency "${LEVELS:-32,64,128}" \
     --new-tokens "$NEW_TOKENS" --log /tmp/serve_bench_server.log ${SERVE_ARGS:-} > "$OUT/serve_bench.log" 2>&1
   grep -E "^E[0-9]|tandem:" /tmp/serve_bench_server.log | cut -c1-600 >> "$OUT/serve_bench.log"
   grep -E "^triton|^engine|Error|error:|^E[0-9]" "$OUT/serve_bench.log" | cut -c1-400
