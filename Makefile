@@ -36,7 +36,7 @@ serve: venv
 	$(PY) -m scripts.serve $(SERVE_ARGS)
 
 bench: venv
-	$(PY) -m backend.bench --workload cpu-tiny --compare transformers
+	$(PY) -m bench.offline --workload cpu-tiny --compare transformers
 
 LOADTEST_USERS ?= 8
 LOADTEST_DURATION ?= 60

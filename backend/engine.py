@@ -11,14 +11,16 @@ from typing import Sequence
 
 import torch
 
-from .config import EngineConfig
-from .engine_setup import EngineParts, build_engine_parts, device_scope
-from .gc_pauses import GcPauses, GcSettings
-from .loop_gate import LoopGate
-from .outputs import OutputProcessor, RequestStream, StepEvent
-from .request import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request, RequestOutput, \
+from backend.admission import Admission
+from backend.config import EngineConfig
+from backend.core.step_update import StepUpdater
+from backend.engine_setup import EngineParts, build_engine_parts, device_scope
+from backend.executor.packer import StepState
+from backend.outputs.processor import OutputProcessor, RequestStream, StepEvent
+from backend.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, Request, RequestOutput, \
     RequestStatus, SamplingParams
-from .runner import StepResult, StepState
+from backend.runtime.gc_pauses import GcPauses, GcSettings
+from backend.runtime.loop_gate import LoopGate
 
 log = logging.getLogger("tandem.engine")
 
@@ -32,8 +34,7 @@ class EngineDead(RuntimeError):
 
 
 _MAX_CONSECUTIVE_FAULTS = 3
-_MAX_CHARS_PER_TOKEN = 64  # a prompt longer than max_model_len x this is refused untokenized
-_SWITCH_INTERVAL_S = 0.0001  # 1B served at 64 streams: 22.9k tok/s at 0.5 ms, 27.7k at 0.1 ms (MEASUREMENTS.md)
+_SWITCH_INTERVAL_S = 0.0001  # 1B served at 64 streams: 22.9k tok/s at 0.5 ms, 27.7k at 0.1 ms (docs/history/2026-11-29.md, 5aeec4e)
 
 
 class Engine:
@@ -52,6 +53,9 @@ class Engine:
         self.block_manager = parts.block_manager
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.updates = StepUpdater(self.scheduler, self.block_manager, self.max_model_len)
+        self.admission = Admission(self.tokenizer, self.spec.vocab_size, self.max_model_len, self.config,
+                                   self.block_manager.num_usable_blocks * self.block_manager.block_size)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}  # engine thread only
         self._ids_lock = threading.Lock()
@@ -104,9 +108,8 @@ class Engine:
         if not self.healthy:
             raise EngineDead("the engine is not running")
         params = params or SamplingParams()
-        token_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
-        self._check_request(token_ids, params)
-        bad_words = self._bad_word_ids(params.bad_words)
+        token_ids = self.admission.prompt_ids(prompt, params)
+        bad_words = self.admission.bad_word_ids(params.bad_words)
         request_id = str(request_id) if request_id is not None else f"req-{next(self._id_counter)}"
         n = params.n
         ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
@@ -143,22 +146,10 @@ class Engine:
             self.outputs.register(req, sink, stream=stream_outputs)
         return samples[0], stream
 
-    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as token ids, alone and after a space (mid-text), as vLLM bans them."""
-        if not words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError("bad_words needs the model's tokenizer, and this engine has none")
-        seqs: list[list[int]] = []
-        for word in words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            if plain:
-                seqs.append(plain)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            # the spaced form counts when it is another word token of the same length (not a space token + the word)
-            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
-                seqs.append(spaced)
-        return seqs
+    def yield_to_loop(self) -> None:
+        """For a thread that answers the engine's outputs (e.g. a server's sender): let the loop's CPU work for the
+        next step go first when it is waiting for the interpreter (a no-op without CUDA)."""
+        self.gate.yield_to_loop()
 
     def flush_outputs(self, timeout: float = 5.0) -> bool:
         """Wait until every output the engine has produced so far has reached its request's sink."""
@@ -228,45 +219,6 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    # ---- input checks (caller thread) ------------------------------------------------------------
-    def _tokenize(self, prompt: str | Sequence[int], keep_last: int | None = None) -> list[int]:
-        """The prompt's token ids; keep_last (truncate_prompt_tokens): only its last keep_last tokens."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            # why: tokenizing megabytes blocks the caller (Triton's execute thread) for seconds; no prompt that
-            # fits max_model_len needs more characters than this
-            limit = self.max_model_len * _MAX_CHARS_PER_TOKEN
-            if len(prompt) > limit:
-                raise ValueError(f"prompt has {len(prompt)} characters; at most {limit} are accepted "
-                                 f"({_MAX_CHARS_PER_TOKEN} per token of the maximum model length {self.max_model_len})")
-            ids = self.tokenizer.encode(prompt)
-            return ids[-keep_last:] if keep_last else ids
-        ids = list(prompt)[-keep_last:] if keep_last else list(prompt)
-        if not ids:
-            raise ValueError("prompt token ids are empty")
-        if len(ids) >= self.max_model_len:  # before the per-id scan: a huge list is refused at once
-            raise ValueError(f"prompt has {len(ids)} token ids; the maximum model length is {self.max_model_len} "
-                             "(prompt + max_tokens)")
-        vocab = self.spec.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        return ids
-
-    def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        params.check_limits(self.config.max_stop_strings, self.config.max_stop_string_length, self.spec.vocab_size)
-        n = len(token_ids)
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum model length "
-                f"({self.max_model_len}); shorten the prompt or lower max_tokens")
-        capacity = self.block_manager.num_usable_blocks * self.block_manager.block_size
-        if n + params.max_tokens > capacity:
-            raise ValueError(
-                f"prompt + max_tokens ({n + params.max_tokens} tokens) exceeds the KV cache ({capacity} tokens); "
-                f"lower max_tokens or give the engine more KV blocks")
-
     # ---- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -326,105 +278,17 @@ class Engine:
         finally:
             self.gate.close()
         with self.timeline.cpu_span("update"):
-            events = self._update(st, result, next_state)
+            events = self.updates.apply(st, result, next_state, self._finish)
             if events:
                 self.outputs.push(events)
 
-    def _update(self, st: StepState, result: StepResult, next_state: StepState | None
-                ) -> list[StepEvent | tuple[str, int]]:
-        sb, first = st.batch.steady, 0
-        events: list[StepEvent | tuple[str, int]] = []
-        if sb is not None and sb is self.scheduler.steady and st.steady_version == sb.version:
-            steady_events = self._update_steady(st, result)
-            if steady_events is not None:  # the steady rows are done; joiners (if any) follow the general rules
-                events, first = steady_events, st.batch.num_steady_rows
-        self._update_rows(result, first, next_state, events)
-        bm = self.block_manager
-        if bm.enable_prefix_caching:
-            bs = bm.block_size
-            for req in st.batch.requests[first:]:  # hash blocks that just filled up, for later prefix hits
-                if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs and not req.is_finished:
-                    bm.register_full_blocks(req, req.num_computed_tokens)
-        for req in st.batch.free_after:
-            self.block_manager.free(req)
-        return events
-
-    def _update_rows(self, result: StepResult, first: int, next_state: StepState | None,
-                     events: list[StepEvent | tuple[str, int]]) -> None:
-        """Each sampled row from `first` on: accept its token, check its stops, append its event."""
-        lps = result.logprobs
-        rows = zip(result.requests[first:], result.token_ids[first:])
-        for i, (req, tok) in enumerate(rows, start=first):
-            if req.is_finished:
-                req.drop_pending()  # finished while this step was queued: its token is dropped
-                continue
-            req.accept_token(tok)
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            reason = self._stop_reason(req, tok)
-            if req.final_only:  # no per-step event: the output thread hears of it once, at the end
-                if reason is None:
-                    continue
-                event = StepEvent(req.request_id, tok, None, reason, all_tokens=req.output_token_ids)
-            else:
-                lp = None
-                if lps is not None:
-                    top = None
-                    if result.top_ids is not None and req.params.logprobs:
-                        k = req.params.logprobs
-                        top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k]))
-                    lp = (lps[i], result.ranks[i], top)
-                if lp is None and reason is None:
-                    events.append((req.request_id, tok))  # the common case: a bare pair, made an event off the loop
-                    continue
-                event = StepEvent(req.request_id, tok, lp, reason)
-            events.append(event)
-            if reason is not None:
-                self._finish(req, reason, next_state)
-
-    def _update_steady(self, st: StepState, result: StepResult) -> list[tuple[str, int]] | None:
-        """The steady rows' tokens, when they end no request: appended with one short loop, no per-row checks.
-
-        None: some row may stop (a stop token, or near a length limit), so the general update looks at each row.
-        The steady batch is still the scheduler's and no row left or joined it since the step was packed, so its
-        rows are the step's first rows, in order."""
-        sb = st.batch.steady
-        tokens = result.token_ids[:len(sb)]
-        if sb.near_length_limit() or sb.hits_stop_token(tokens):
-            return None
-        sb.accept(tokens)
-        bm = self.block_manager
-        if bm.enable_prefix_caching:
-            for row in sb.rows_to_hash():  # blocks that just filled up, for later prefix hits
-                req = sb.requests[row]
-                bm.register_full_blocks(req, req.num_computed_tokens)
-                sb.hashed_blocks[row] = len(req.block_hashes)
-        return sb.events(tokens)
-
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        p = req.params
-        n_out = len(req.output_token_ids)
-        if tok in req.stop_ids and n_out > p.min_tokens:  # an EOS before min_tokens does not end the request
-            return FINISH_STOP
-        if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return FINISH_LENGTH
-        return None
-
     def _finish(self, req: Request, reason: str, next_state: StepState | None) -> None:
-        """Mark req finished once; its blocks return now, or after the queued step that still writes them."""
-        if req.is_finished:
-            return
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        self.scheduler.remove(req)
+        """Finish req once (the step update's rule), and forget it here."""
+        self.updates.finish(req, reason, next_state)
         self._requests.pop(req.request_id, None)
         group = self._groups.get(req.group_id)
         if group is not None and all(r.is_finished for r in group):
             del self._groups[req.group_id]
-        if next_state is not None and req.last_step_id == next_state.batch.step_id:
-            next_state.batch.free_after.append(req)
-        else:
-            self.block_manager.free(req)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -495,8 +359,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # why: no queued step may still touch buffers we reset
         self._inflight = None
-        for slot in self.runner.pipeline.slots:
-            slot.in_use = False
+        self.runner.reset_slots()
         self._fail_all(f"engine step failed: {exc}")
         if self._consecutive_faults >= _MAX_CONSECUTIVE_FAULTS:
             self._healthy = False

@@ -7,19 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EngineConfig
-from .kv_cache import BlockManager
-from .models import load_model, resolve_model_path
-from .pipeline import SlotLayout
-from .request import MAX_LOGPROBS
-from .runner import ModelRunner
-from .scheduler import Scheduler
-from .timeline import Timeline
+from backend.config import EngineConfig
+from backend.core.kv_cache import BlockManager
+from backend.models import BUILT_IN_MODELS, load_model, resolve_model_path
+from backend.models.loader import TORCH_DTYPES
+from backend.executor.pipeline import SlotLayout
+from backend.request import MAX_LOGPROBS
+from backend.executor.runner import ModelRunner
+from backend.core.scheduler import Scheduler
+from backend.runtime.timeline import Timeline
 
 log = logging.getLogger("tandem.engine")
 
 _DEFAULT_MAX_LEN_CAP = 32768
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -53,7 +53,6 @@ def device_scope(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-STAND_IN = "stand-in"  # model setting: StandInModel (instant tokens), to time the engine's or a server's own work
 
 
 def build_engine_parts(config: EngineConfig, model=None, tokenizer=None) -> EngineParts:
@@ -66,16 +65,14 @@ def build_engine_parts(config: EngineConfig, model=None, tokenizer=None) -> Engi
 
 
 def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> EngineParts:
-    dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = TORCH_DTYPES.get(config.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     path = "<given model>"
-    if model is None and config.model == STAND_IN:
-        from .models.random_model import byte_tokenizer
-        from .standin import StandInModel
-
-        path, model, tokenizer = STAND_IN, StandInModel(device=device), byte_tokenizer()
+    if model is None and config.model in BUILT_IN_MODELS:  # e.g. the stand-in, to time the engine's own work
+        path = config.model
+        model, tokenizer = BUILT_IN_MODELS[path](device)
     elif model is None:
         from transformers import AutoTokenizer
 
@@ -99,6 +96,7 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
                         max_blocks=-(-max_len // config.block_size), max_logprobs=MAX_LOGPROBS)
     runner = ModelRunner(model, kv_cache, config.block_size, layout, device, timeline,
                          use_graphs=config.cuda_graphs, max_graph_batch=config.max_graph_batch_size)
+    runner.prepare()
     async_pipeline = config.async_pipeline if config.async_pipeline is not None else device.type == "cuda"
     log.info("engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, async %s",
              path, device, dtype, num_blocks, config.block_size, max_len, backend, async_pipeline)

@@ -19,7 +19,7 @@ tests_rc=${PIPESTATUS[0]}
 
 summary=()
 for workload in ${WORKLOADS:-small-64 blog-quick}; do
-  "$PY" -m backend.bench --workload "$workload" 2>&1 | tee "$LOG_DIR/bench-$workload.log"
+  "$PY" -m bench.offline --workload "$workload" 2>&1 | tee "$LOG_DIR/bench-$workload.log"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || fail=1
   rates=$(grep -oE '^engine=tandem  mode=[a-z]+ .* tok_per_s=[0-9.]+' "$LOG_DIR/bench-$workload.log" |

@@ -17,7 +17,7 @@ from backend.ops import get_ops
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = tuple(ROTARY_CLASSES)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -46,14 +46,14 @@ def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: 
 
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+        if dtype not in TORCH_DTYPES.values():
+            raise ValueError(f"dtype must be one of {list(TORCH_DTYPES)}, got {dtype}")
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {list(TORCH_DTYPES)}, got {dtype!r}")
+    return TORCH_DTYPES[dtype]
 
 
 def _read_config(folder: Path):

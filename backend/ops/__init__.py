@@ -6,8 +6,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from backend.ops import layers as _torch_layers
-from backend.ops.attention import AttentionMetadata, paged_attention as _torch_paged_attention
+from backend.ops.torch import layers as _torch_layers
+from backend.ops.torch.attention import AttentionMetadata, paged_attention as _torch_paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ def get_ops(backend: str, linear_backend: str = "auto", dependent_launch: bool =
 
 def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
     # imported lazily: triton is absent on CPU-only machines
-    from backend.ops import triton_argmax, triton_layers, triton_linear
-    from backend.ops.triton_attention import rope_paged_attention
+    from backend.ops.triton import argmax as triton_argmax, layers as triton_layers, linear as triton_linear
+    from backend.ops.triton.attention import rope_paged_attention
 
     def bind(fn: Callable) -> Callable:
         return functools.partial(fn, pdl=True) if pdl else fn

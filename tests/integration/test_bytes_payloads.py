@@ -27,7 +27,7 @@ import tritonclient.grpc as grpcclient
 
 from backend import Engine, EngineConfig, SamplingParams
 from scripts import tritonserver_env as tenv
-from scripts.serve_bench import make_requests
+from bench.serve_bench import make_requests
 
 pytestmark = pytest.mark.integration
 

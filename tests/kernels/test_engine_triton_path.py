@@ -23,13 +23,13 @@ import pytest
 import torch
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.runner import ModelRunner
+from backend.executor.runner import ModelRunner
 from tests.tiny_models import build_tiny, random_prompts
 
 pytestmark = [pytest.mark.kernels,
               pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter run; CUDA: tests/gpu")]
 
-from backend.ops import triton_argmax, triton_attention, triton_layers, triton_linear  # noqa: E402
+from backend.ops.triton import buffers, argmax as triton_argmax, attention as triton_attention, layers as triton_layers, linear as triton_linear  # noqa: E402
 
 LC = triton_linear.LinearConfig
 QKV, O, GATE_UP, DOWN, LM_HEAD = (256, 128), (128, 128), (512, 128), (128, 256), (256, 128)  # (N, K) of llama-128
@@ -86,7 +86,7 @@ def _decode_kind(args, kw) -> tuple:
 def launches(monkeypatch) -> LaunchLog:
     """The interpreter's stand-ins for an H200 (see the module docstring), and a log of every kernel launch."""
     monkeypatch.setattr(triton_linear, "tables_for", lambda device: TINY_TABLES)
-    monkeypatch.setattr(triton_attention, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(buffers, "sm_count", lambda device: 4)
     monkeypatch.setattr(triton_attention, "DECODE_MIN_SPLIT_TOKENS", 16)
     log = LaunchLog(monkeypatch)
     log.wrap(triton_linear, "_skinny_linear_kernel", _linear_kind)

@@ -6,7 +6,7 @@ Tolerances are norm-wise, ‖out − ref‖ / ‖ref‖:
   kernel rounds the softmax probabilities to the input dtype before the P·V product (as every flash kernel
   does, for the tensor cores) and rounds its output once: bf16 has an 8-bit mantissa, 2^-8 ≈ 4e-3 per
   element, which averages down in the norm to a few 1e-3.
-Every output buffer the kernels allocate is filled with NaN first (the `_alloc` hook), and every cache slot
+Every output buffer the kernels allocate is filled with NaN first (the `buffers.alloc` hook), and every cache slot
 that holds no context is NaN too, so an unwritten output or a read past a sequence shows up as NaN.
 
 With CUDA the kernels are compiled and run on the GPU; without it tests/conftest.py turns on Triton's interpreter
@@ -28,11 +28,12 @@ pytestmark = pytest.mark.kernels
 
 import triton  # noqa: E402,F401  (a test requirement: the interpreter runs these kernels without CUDA)
 
-from backend.ops import layers as torch_layers  # noqa: E402
-from backend.ops import triton_argmax as targ  # noqa: E402
-from backend.ops import triton_attention as ta  # noqa: E402
-from backend.ops import triton_layers as tly  # noqa: E402
-from backend.ops import triton_linear as tlin  # noqa: E402
+from backend.ops.torch import layers as torch_layers  # noqa: E402
+from backend.ops.triton import argmax as targ  # noqa: E402
+from backend.ops.triton import buffers as tbuf  # noqa: E402
+from backend.ops.triton import attention as ta  # noqa: E402
+from backend.ops.triton import layers as tly  # noqa: E402
+from backend.ops.triton import linear as tlin  # noqa: E402
 from backend.ops.partial_sums import PartialSums  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -47,7 +48,7 @@ SLOW = pytest.mark.interpreter_slow
 
 @dataclass
 class Meta:
-    """The fields of backend.ops.attention.AttentionMetadata the kernels read (duck-typed)."""
+    """The fields of backend.ops.torch.attention.AttentionMetadata the kernels read (duck-typed)."""
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
@@ -64,10 +65,7 @@ def _poison(shape, dtype, device):
 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
-    monkeypatch.setattr(ta, "_alloc", _poison)
-    monkeypatch.setattr(tly, "_alloc", _poison)
-    monkeypatch.setattr(tlin, "_alloc", _poison)
-    monkeypatch.setattr(targ, "_alloc", _poison)
+    monkeypatch.setattr(tbuf, "alloc", _poison)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -222,8 +220,8 @@ def test_chunked_prefill(hq, hkv, d, bs, dtype):
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=SLOW), torch.bfloat16])
 def test_matches_torch_path(dtype):
-    """Same inputs through backend.ops.attention (the plain-torch path) and the Triton path: same answer."""
-    from backend.ops import attention as torch_attention
+    """Same inputs through backend.ops.torch.attention (the plain-torch path) and the Triton path: same answer."""
+    from backend.ops.torch import attention as torch_attention
 
     rng = random.Random(3)
     seqs = [(0, 45), (rng.randint(1, 600), 70), (rng.randint(1, 900), 1), (0, 1)]
@@ -393,8 +391,8 @@ def test_rope_write_kv(dtype, hq, hkv, d, bs):
 
 @pytest.mark.parametrize("dtype", LAYER_DTYPES)
 def test_layers_match_torch_path(dtype):
-    """backend.ops.layers (the plain-torch path) and the Triton layers agree on the same inputs."""
-    from backend.ops import layers as torch_layers
+    """backend.ops.torch.layers (the plain-torch path) and the Triton layers agree on the same inputs."""
+    from backend.ops.torch import layers as torch_layers
 
     g = torch.Generator().manual_seed(7)
     T, hq, hkv, d, hidden, inter = 13, 9, 3, 64, 576, 1536
@@ -467,7 +465,7 @@ def test_linear_falls_back_to_torch(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("kernel launched")
 
-    monkeypatch.setattr(tlin, "_alloc", fail)
+    monkeypatch.setattr(tbuf, "alloc", fail)
     w = torch.randn(32, 64, device=DEVICE)
     x = torch.randn(3, 64, device=DEVICE)
     assert torch.equal(tlin.linear(x, w), torch.nn.functional.linear(x, w))
@@ -764,7 +762,7 @@ def test_rope_paged_attention_fuses_only_decode_steps_of_one_wave(monkeypatch, p
     fused = []
     original = ta.rope_decode_attention
     monkeypatch.setattr(ta, "rope_decode_attention", lambda *a, **kw: fused.append(a[0].shape[0]) or original(*a, **kw))
-    monkeypatch.setattr(ta, "_sm_count", lambda device: 8)
+    monkeypatch.setattr(tbuf, "sm_count", lambda device: 8)
     for seqs in ([(40, 1), (3, 1)], [(0, 20), (30, 1), (5, 7)], [(i, 1) for i in range(16)],
                  [(i, 1) for i in range(17)]):
         case = Case(seqs, hq, hkv, d, bs, dtype, seed=len(seqs))

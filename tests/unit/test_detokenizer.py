@@ -3,7 +3,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from backend.detokenizer import IncrementalDetokenizer
+from backend.outputs.detokenizer import IncrementalDetokenizer
 from backend.request import SamplingParams
 
 SENTENCES = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.gc_pauses import GcPauses, GcSettings
+from backend.runtime.gc_pauses import GcPauses, GcSettings
 from tests.tiny_models import build_tiny
 
 

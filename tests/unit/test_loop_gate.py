@@ -4,12 +4,12 @@ from __future__ import annotations
 import threading
 import time
 
-from backend.loop_gate import LoopGate
+from backend.runtime.loop_gate import LoopGate
 
 
 def timed_pass(gate: LoopGate) -> float:
     start = time.perf_counter()
-    gate.pass_()
+    gate.yield_to_loop()
     return time.perf_counter() - start
 
 

@@ -6,7 +6,7 @@ import queue
 import pytest
 
 from backend.models.random_model import byte_tokenizer
-from backend.outputs import OutputProcessor, StepEvent
+from backend.outputs.processor import OutputProcessor, StepEvent
 from backend.request import FINISH_LENGTH, FINISH_STOP, Request, SamplingParams
 
 
@@ -69,7 +69,7 @@ def test_logprobs_of_a_batch_arrive_together(tok):
 
 
 def test_coalesce_joins_a_requests_waiting_deltas_and_keeps_other_items_in_place():
-    from backend.outputs import coalesce_outputs
+    from backend.outputs.processor import coalesce_outputs
     from backend.request import RequestOutput
 
     def out(rid, ids, text, finished=False, lps=None):

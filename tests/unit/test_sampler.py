@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backend.request import SamplingParams
-from backend.sampler import Sampler, SamplingBuffers, SamplingTensors, apply_penalties, exponential_noise
+from backend.executor.sampler import Sampler, SamplingBuffers, SamplingTensors, apply_penalties, exponential_noise
 
 
 def build(params, logits_rows, seeds=None, steps=None, prompts=None, outputs=None):

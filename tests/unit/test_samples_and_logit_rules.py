@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.logit_rules import LogitEdits
+from backend.executor.logit_rules import LogitEdits
 from tests.tiny_models import build_tiny, hf_greedy, kv_blocks_used_after_settling, random_prompts
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]

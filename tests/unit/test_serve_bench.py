@@ -4,7 +4,7 @@ from __future__ import annotations
 import http.server
 import threading
 
-from scripts.serve_bench import scrape, server_side
+from bench.serve_bench import scrape, server_side
 
 LABELS = '{instance="llm_0_0",model="llm",version="1"}'
 

@@ -2,7 +2,7 @@
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.standin import StandInModel, expected_tokens
+from backend.models.standin import StandInModel, expected_tokens
 from tests.tiny_models import random_prompts
 
 

@@ -1,4 +1,4 @@
-"""Steady decode runs (backend/steady_batch.py) give exactly what the general path gives, and are taken."""
+"""Steady decode runs (backend/core/steady_batch.py) give exactly what the general path gives, and are taken."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """The timeline keeps a bounded window of spans; its summary and recent busy fraction count what they should."""
-from backend.timeline import Timeline
+from backend.runtime.timeline import Timeline
 
 
 def _record_steps(tl: Timeline, steps: int) -> None:
@@ -25,7 +25,7 @@ def test_summary_counts_every_recorded_step():
 
 
 def test_recent_busy_fraction_is_the_union_of_gpu_spans_since_the_last_call():
-    from backend.timeline import Span
+    from backend.runtime.timeline import Span
 
     tl = Timeline(enabled=True)
     clock = [0.0]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.ops import get_ops
-from backend.ops import layers
+from backend.ops.torch import layers
 
 
 @pytest.mark.parametrize("bias", [False, True])

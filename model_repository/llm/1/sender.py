@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import triton_python_backend_utils as pb_utils
 
-from backend.outputs import coalesce_outputs
+from backend import coalesce_outputs
 from protocol import GenerateRequest, response_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -103,7 +103,7 @@ class ResponseLoop:
             items += self._drain()  # what is already there: one pass per burst of engine outputs
             for n, item in enumerate(coalesce_outputs(items)):  # a request's updates waiting together: one response
                 if n % _RESPONSES_PER_PASS == 0:
-                    self._engine.gate.pass_()  # the engine loop's CPU work goes first (backend/loop_gate.py)
+                    self._engine.yield_to_loop()  # the engine loop's CPU work goes first
                 if item is not _STOP:
                     self._safe_handle(item)
             if any(item is _STOP for item in items):

@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockManager
-from .request import Request, RequestStatus
-from .steady_batch import SteadyBatch
+from backend.core.kv_cache import BlockManager
+from backend.request import Request, RequestStatus
+from backend.core.steady_batch import SteadyBatch
 
 
 @dataclass(slots=True)

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from .models.spec import ModelSpec
-from .ops import get_ops
+from backend.models.random_model import byte_tokenizer
+from backend.models.spec import ModelSpec
+from backend.ops import get_ops
+
+STAND_IN = "stand-in"  # the model setting that picks it
 
 
 class StandInModel(torch.nn.Module):
@@ -30,3 +33,8 @@ class StandInModel(torch.nn.Module):
 def expected_tokens(prompt: list[int], n: int, vocab_size: int) -> list[int]:
     """What the stand-in model generates for prompt: a ramp from its last token."""
     return [(prompt[-1] + i + 1) % vocab_size for i in range(n)]
+
+
+def stand_in_model(device: torch.device) -> tuple[StandInModel, object]:
+    """The stand-in model and a byte-level tokenizer for it."""
+    return StandInModel(device=device), byte_tokenizer()

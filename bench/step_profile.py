@@ -1,4 +1,4 @@
-"""python -m scripts.step_profile: where a decode step's GPU time goes, kernel by kernel (CUDA only).
+"""python -m bench.step_profile: where a decode step's GPU time goes, kernel by kernel (CUDA only).
 
 Runs one batch of greedy requests through the engine under torch.profiler (CUPTI sees the kernels inside the
 replayed CUDA graphs) and prints, per kernel name, calls per step and µs per step, then one JSON line.
@@ -13,7 +13,7 @@ import time
 import torch
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.bench import make_prompts
+from bench.offline import make_prompts
 
 
 def main(argv=None) -> int:

@@ -12,18 +12,16 @@ try:
     import triton
     import triton.language as tl
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
-    raise ImportError("backend.ops.triton_argmax needs the `triton` package") from exc
+    raise ImportError("backend.ops.triton.argmax needs the `triton` package") from exc
 
-from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
+from backend.ops.triton import buffers  # noqa: E402
+
+from backend.ops.triton.launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
 
 __all__ = ["greedy_argmax", "ARGMAX_CHUNK"]
 
 ARGMAX_CHUNK = 8192  # logits per program: 16 KB of bf16, one load of 32 values per thread at 8 warps
 
-
-def _alloc(shape, dtype, device):
-    """Fresh, uninitialised buffer; one indirection so tests can poison every new output."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit
@@ -70,8 +68,8 @@ def greedy_argmax(logits: torch.Tensor, out: torch.Tensor, *, pdl: bool = False)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     chunks = triton.cdiv(vocab, ARGMAX_CHUNK)
-    vals = _alloc((rows, chunks), torch.float32, logits.device)
-    idx = _alloc((rows, chunks), torch.int32, logits.device)
+    vals = buffers.alloc((rows, chunks), torch.float32, logits.device)
+    idx = buffers.alloc((rows, chunks), torch.int32, logits.device)
     _chunk_max_kernel[(rows, chunks)](logits, vals, idx, vocab, logits.stride(0), chunks, CHUNK=ARGMAX_CHUNK,
                                       PDL=pdl, num_warps=8, launch_pdl=pdl)
     _pick_chunk_kernel[(rows,)](vals, idx, out, out.stride(0), chunks, C_PAD=max(2, triton.next_power_of_2(chunks)),

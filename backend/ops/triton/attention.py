@@ -1,7 +1,6 @@
 """Paged attention for CUDA, written in the Triton language: KV-cache write, split-K decode, chunked prefill."""
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -9,10 +8,12 @@ try:
     import triton
     import triton.language as tl
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
-    raise ImportError("backend.ops.triton_attention needs the `triton` package") from exc
+    raise ImportError("backend.ops.triton.attention needs the `triton` package") from exc
 
-from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
-from backend.ops.triton_layers import (load_summed, rope_cos_sin, rope_rotate, rope_write_kv,  # noqa: E402
+from backend.ops.triton import buffers  # noqa: E402
+
+from backend.ops.triton.launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
+from backend.ops.triton.layers import (load_summed, rope_cos_sin, rope_rotate, rope_write_kv,  # noqa: E402
                                        unpack_qkv)
 
 __all__ = ["paged_attention", "rope_paged_attention", "write_kv_cache", "decode_attention", "rope_decode_attention",
@@ -34,20 +35,6 @@ PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
 
 
-def _alloc(shape, dtype, device):
-    """Fresh, uninitialised buffer; one indirection so tests can poison every new output."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # Triton's CPU interpreter: any small number keeps the split logic exercised
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -129,6 +116,24 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tenso
 # --------------------------------------------------------------------------------------------------------
 # Decode: one query token per sequence; one program = (sequence, KV head, context split)
 # --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _attend_tile(q, k_ptrs, stride_ckv, kv_mask, score_mask, qk_scale, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    """One KV tile of the online softmax: scores of q (rows, D) against the tile's keys at k_ptrs (BLOCK_N, D; the
+    values sit stride_ckv further), masked by score_mask (rows, BLOCK_N), folded into the running max m_i, sum l_i
+    and weighted values acc. Returns the new (m_i, l_i, acc)."""
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, D_PAD)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (rows, BLOCK_N)
+    s = tl.where(score_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # Masked V rows must load as 0, not as whatever the cache holds: 0 * NaN would still poison acc.
+    v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_splits"])  # one binary for every split count: no recompiles
 def _decode_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -203,18 +208,9 @@ def _decode_kernel(
         n_mask = pos < end
         blk = tl.load(bt_row + pos // BS, mask=n_mask, other=0).to(tl.int64)
         tok_off = blk * stride_cb + (pos % BS) * stride_cs  # (BLOCK_N,) rows of the paged cache
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, D_PAD)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (G_PAD, BLOCK_N)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # Masked V rows must load as 0, not as whatever the cache holds: 0 * NaN would still poison acc.
-        v = tl.load(kv_base + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, kv_base + tok_off[:, None] + offs_d[None, :], stride_ckv,
+                                     n_mask[:, None] & d_mask[None, :], n_mask[None, :], qk_scale, m_i, l_i, acc,
+                                     DOT_PREC)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT:
@@ -276,33 +272,37 @@ def rope_decode_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, met
     and v into their cache slot; then, after a CTA barrier, decode_attention's loop reads them back."""
     (q, k, v), dtype, parts, stride_part = unpack_qkv(q, k, v, kv_cache_layer.dtype)
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    out = _alloc(tuple(q.shape), dtype, q.device)
-    q_rot = _alloc(tuple(q.shape), dtype, q.device)  # strides equal out's: the kernel indexes both alike
+    out = buffers.alloc(tuple(q.shape), dtype, q.device)
+    q_rot = buffers.alloc(tuple(q.shape), dtype, q.device)  # strides equal out's: the kernel indexes both alike
     rope = (k, v, positions, cs, meta.slot_mapping, q_rot, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cs.stride(0), stride_part, parts)
     return _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_warps, num_stages, pdl)
 
 
-def _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_warps, num_stages, pdl):
-    """Launch the decode kernel (and the reduce when it splits); rope: the fused rotary + KV-write inputs or None."""
+def _shapes(q, kv_cache_layer, meta) -> tuple[int, int, int, int, int, int, int]:
+    """(tokens, query heads, head dim, block size, KV heads, sequences, query heads per KV head)."""
     T, HQ, D = q.shape
     _, _, BS, HKV, _ = kv_cache_layer.shape
-    B = meta.seq_lens.shape[0]
-    G = HQ // HKV
+    return T, HQ, D, BS, HKV, meta.seq_lens.shape[0], HQ // HKV
+
+
+def _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_warps, num_stages, pdl):
+    """Launch the decode kernel (and the reduce when it splits); rope: the fused rotary + KV-write inputs or None."""
+    T, HQ, D, BS, HKV, B, G = _shapes(q, kv_cache_layer, meta)
     if out is None:
-        out = _alloc((T, HQ, D), q.dtype, q.device)
+        out = buffers.alloc((T, HQ, D), q.dtype, q.device)
     if B == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(B, HKV, int(meta.max_seq_len), _sm_count(q.device))
+        num_splits = choose_num_splits(B, HKV, int(meta.max_seq_len), buffers.sm_count(q.device))
     D_PAD = max(16, triton.next_power_of_2(D))
     block_n = block_n or decode_block_n(D_PAD)
     c = kv_cache_layer
     bt = meta.block_tables
     if num_splits > 1:
-        part_acc = _alloc((B, HQ, num_splits, D), torch.float32, q.device)
-        part_m = _alloc((B, HQ, num_splits), torch.float32, q.device)
-        part_l = _alloc((B, HQ, num_splits), torch.float32, q.device)
+        part_acc = buffers.alloc((B, HQ, num_splits, D), torch.float32, q.device)
+        part_m = buffers.alloc((B, HQ, num_splits), torch.float32, q.device)
+        part_l = buffers.alloc((B, HQ, num_splits), torch.float32, q.device)
     else:
         part_acc = part_m = part_l = out  # unused: the kernel writes the output directly
     fused = rope is not None
@@ -386,18 +386,10 @@ def _prefill_kernel(
         n_mask = pos < kv_end
         blk = tl.load(bt_row + pos // BS, mask=n_mask, other=0).to(tl.int64)
         tok_off = blk * stride_cb + (pos % BS) * stride_cs
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
         # Every row sees position 0 in the first tile, so its running max is finite from then on.
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kv_base + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        m_i, l_i, acc = _attend_tile(q, kv_base + tok_off[:, None] + offs_d[None, :], stride_ckv,
+                                     n_mask[:, None] & d_mask[None, :], causal, qk_scale, m_i, l_i, acc, DOT_PREC)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -408,12 +400,9 @@ def _prefill_kernel(
 def prefill_attention(q, kv_cache_layer, meta, scale, out=None, *, block_m=None, block_n=None,
                       num_warps=None, num_stages=None, pdl: bool = False):
     """Paged causal attention for variable query lengths (prefill, chunked prefill, mixed batches)."""
-    T, HQ, D = q.shape
-    _, _, BS, HKV, _ = kv_cache_layer.shape
-    B = meta.seq_lens.shape[0]
-    G = HQ // HKV
+    T, HQ, D, BS, HKV, B, G = _shapes(q, kv_cache_layer, meta)
     if out is None:
-        out = _alloc((T, HQ, D), q.dtype, q.device)
+        out = buffers.alloc((T, HQ, D), q.dtype, q.device)
     if B == 0 or T == 0:
         return out
     if q.stride(-1) != 1:
@@ -453,7 +442,7 @@ def _rope_fuses(batch: int, num_kv_heads: int, device: torch.device) -> bool:
     """Whether a decode step takes the fused rope + attention kernel: only while the programs before splitting fit
     one wave (about DECODE_PROGRAMS_PER_SM an SM). Each program pays the rotary prologue's latency, so every wave
     pays it again: on the H200 the fused kernel gained at 32 and 64 sequences × 8 KV heads and lost at 256."""
-    return batch * num_kv_heads <= DECODE_PROGRAMS_PER_SM * _sm_count(device)
+    return batch * num_kv_heads <= DECODE_PROGRAMS_PER_SM * buffers.sm_count(device)
 
 
 def _check_heads(q, kv_cache_layer) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .request import Request
+from backend.request import Request
 
 NULL_BLOCK = 0  # never handed out: padding rows of a step write their K/V here
 

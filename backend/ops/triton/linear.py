@@ -7,7 +7,6 @@ and no second launch are needed; small slices make enough programs even for narr
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -15,13 +14,16 @@ try:
     import triton
     import triton.language as tl
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
-    raise ImportError("backend.ops.triton_linear needs the `triton` package") from exc
+    raise ImportError("backend.ops.triton.linear needs the `triton` package") from exc
 
-from backend.ops import layers as torch_layers  # noqa: E402  (after the guarded triton import)
-from backend.ops import triton_layers  # noqa: E402
-from backend.ops.triton_attention import _sm_count  # noqa: E402
+from backend.ops.triton import buffers  # noqa: E402
+
+from backend.ops.torch import layers as torch_layers  # noqa: E402  (after the guarded triton import)
+from backend.ops.triton import layers as triton_layers  # noqa: E402
 from backend.ops.partial_sums import PartialSums  # noqa: E402
-from backend.ops.triton_launch import INTERPRET, allow_dependents, dependent_wait  # noqa: E402
+from backend.ops.tuning import LinearConfig, TuningTables  # noqa: E402
+from backend.ops.tuning.h200 import H200_CONFIGS, H200_GATED_CONFIGS, H200_PARKED_CONFIGS, H200_TABLES  # noqa: E402
+from backend.ops.triton.launch import INTERPRET, allow_dependents, dependent_wait  # noqa: E402
 
 __all__ = ["linear", "tuned_linear", "linear_silu_and_mul", "tuned_linear_silu_and_mul", "LinearConfig",
            "TuningTables", "tables_for", "choose_config", "H200_CONFIGS", "H200_PARKED_CONFIGS", "H200_GATED_CONFIGS",
@@ -29,21 +31,6 @@ __all__ = ["linear", "tuned_linear", "linear_silu_and_mul", "tuned_linear_silu_a
 
 MAX_ROWS = 64  # above this many rows cuBLAS's tiles reuse each weight load enough; F.linear takes over
 
-
-@dataclass(frozen=True, slots=True)
-class LinearConfig:
-    """One launch shape: W rows per program, K per loop step, warps, pipeline stages, K splits."""
-
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 4
-    split_k: int = 1  # > 1: K is cut in this many runs; the last program of a W slice to finish adds them up
-
-
-def _alloc(shape, dtype, device):
-    """Fresh, uninitialised buffer; one indirection so tests can poison every new output."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit
@@ -132,88 +119,6 @@ def choose_config(n: int, k: int, sms: int) -> LinearConfig:
     return LinearConfig(block_n=block_n, block_k=block_k)
 
 
-# Where the kernel beat cuBLAS by 3% or more on the H200 (`python -m backend.ops.microbench --linear`, TB/s of W
-# kernel / cuBLAS in KERNELS.md): (N, K, BLOCK_M) → config. Every other shape, and every other GPU, keeps cuBLAS.
-H200_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
-    # Llama-3-8B: qkv, o, gate_up, lm_head
-    (6144, 4096, 16): LinearConfig(64, 128, 4, 6),
-    (4096, 4096, 16): LinearConfig(64, 128, 4, 4),
-    (128256, 4096, 16): LinearConfig(128, 128, 4, 4),
-    (6144, 4096, 32): LinearConfig(64, 128, 4, 6),
-    (4096, 4096, 32): LinearConfig(64, 128, 4, 4, split_k=2),  # 3.62 TB/s; cuBLAS 3.02, no split 3.26
-    (28672, 4096, 32): LinearConfig(64, 128, 4, 4),
-    (128256, 4096, 32): LinearConfig(128, 128, 4, 4),
-    (128256, 4096, 64): LinearConfig(128, 128, 4, 4),
-    (4096, 14336, 64): LinearConfig(64, 128, 4, 4, split_k=2),  # down: 3.33 TB/s; cuBLAS (split-K + reduce) 3.20
-    # Llama-3.2-1B: qkv, o, gate_up, lm_head (lm_head: 3.95 / 4.15 TB/s against cuBLAS's 3.71 / 4.03 at 64 / 32 rows)
-    (3072, 2048, 16): LinearConfig(64, 128, 4, 4),
-    (2048, 2048, 16): LinearConfig(32, 256, 4, 4),
-    (16384, 2048, 16): LinearConfig(64, 128, 4, 4),
-    (2048, 2048, 32): LinearConfig(16, 256, 4, 4),
-    (2048, 8192, 32): LinearConfig(64, 128, 4, 4, split_k=4),  # down: 3.40 TB/s; cuBLAS 3.02
-    (128256, 2048, 32): LinearConfig(128, 64, 4, 4),
-    (128256, 2048, 64): LinearConfig(128, 64, 4, 4),
-    # 64 rows, timed as 8 dependent launches in a row (`--chain 8 --pdl`), as they run in a step with
-    # dependent_launch: gate_up 3.59 TB/s against cuBLAS 3.46, down 2.56 against cuBLAS (split-K + reduce) 2.28
-    (16384, 2048, 64): LinearConfig(128, 128, 4, 4),
-    (2048, 8192, 64): LinearConfig(64, 128, 4, 4, split_k=4),
-}
-
-# Where the output feeds add_rms_norm or rope_write_kv, which add parked split-K partials themselves: qkv, o and
-# down. Timed as 8 dependent launches in a row (`--linear --park --chain 8 --pdl`), TB/s of W, against the best of
-# cuBLAS and the unsplit kernel in the same run: 1B at 64 rows o 1.93 (1.32), down 3.17 (2.57 with the split-K sum
-# in the GEMM); 8B at 16 / 32 / 64 rows o 3.49 / 3.28 / 3.21 (3.07 / 3.01 / 2.77), down 4.08 / 3.95 / 3.77 (3.78 /
-# 3.68 / 3.25). 8B qkv won only at 16 rows, by 3%, and is not parked: its rope kernel would read four partials.
-# 1B at 16 / 32 rows (eighth GPU session): qkv 2.42 / 2.32 (2.13 / 2.00), o 1.96 / 1.79 (1.49 / 1.39), down 3.34 / 3.17
-# (2.45 / 2.39; at 32 rows the GEMM table has the serial split-K of the same shape, not timed in that run).
-H200_PARKED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
-    (3072, 2048, 16): LinearConfig(64, 128, 4, 6, split_k=2),
-    (3072, 2048, 32): LinearConfig(64, 128, 4, 6, split_k=2),
-    (3072, 2048, 64): LinearConfig(64, 128, 4, 4, split_k=2),  # qkv, read by rope_write_kv: 2.15; cuBLAS 1.93
-    (2048, 2048, 16): LinearConfig(64, 128, 4, 6, split_k=2),
-    (2048, 2048, 32): LinearConfig(64, 128, 4, 6, split_k=2),
-    (2048, 2048, 64): LinearConfig(64, 128, 4, 4, split_k=4),
-    (2048, 8192, 16): LinearConfig(64, 128, 4, 4, split_k=4),
-    (2048, 8192, 32): LinearConfig(64, 128, 4, 4, split_k=4),
-    (2048, 8192, 64): LinearConfig(64, 128, 4, 4, split_k=4),
-    (4096, 4096, 16): LinearConfig(64, 128, 4, 6, split_k=2),
-    (4096, 4096, 32): LinearConfig(64, 128, 4, 6, split_k=2),
-    (4096, 4096, 64): LinearConfig(64, 128, 4, 4, split_k=2),
-    (4096, 14336, 16): LinearConfig(64, 128, 4, 6, split_k=2),
-    (4096, 14336, 32): LinearConfig(64, 128, 4, 6, split_k=2),
-    (4096, 14336, 64): LinearConfig(64, 128, 4, 4, split_k=2),
-}
-
-
-# gate_up with SiLU-and-mul in the epilogue (linear_silu_and_mul; block_n counts the rows of both halves). Timed as
-# 8 dependent launches in a row (`--linear --gated --chain 8 --pdl`), TB/s of W, against the table's GEMM followed
-# by the SiLU-and-mul kernel (or cuBLAS and SiLU-and-mul where the GEMM table has no entry): 1B at 16 rows 3.78
-# (3.57), at 32 rows 3.67 (cuBLAS 3.17; ninth GPU session), at 64 rows 3.45 (3.24); 8B at 16 / 32 / 64 rows 4.11 /
-# 4.01 / 3.83 (3.99 / 3.91 / 3.53). With the GEMM table's 64-row tile at 16 rows the fused 1B kernel ran at 2.98,
-# slower than the two kernels, so only measured shapes fuse.
-H200_GATED_CONFIGS: dict[tuple[int, int, int], LinearConfig] = {
-    (16384, 2048, 16): LinearConfig(128, 128, 4, 4),
-    (16384, 2048, 32): LinearConfig(128, 128, 4, 4),
-    (16384, 2048, 64): LinearConfig(128, 128, 4, 4),
-    (28672, 4096, 16): LinearConfig(128, 128, 4, 4),
-    (28672, 4096, 32): LinearConfig(128, 128, 4, 4),
-    (28672, 4096, 64): LinearConfig(128, 128, 4, 4),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class TuningTables:
-    """The launch shapes measured on one kind of GPU, each table keyed by (N, K, BLOCK_M): plain GEMMs, GEMMs that
-    park their split-K partials for the next kernel, and gate_up with SiLU-and-mul in its epilogue."""
-
-    plain: dict[tuple[int, int, int], LinearConfig]
-    parked: dict[tuple[int, int, int], LinearConfig]
-    gated: dict[tuple[int, int, int], LinearConfig]
-
-
-H200_TABLES = TuningTables(H200_CONFIGS, H200_PARKED_CONFIGS, H200_GATED_CONFIGS)
-
-
 @functools.lru_cache(maxsize=None)
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
@@ -255,20 +160,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x2 = x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     n, k = w.shape
-    cfg = config or choose_config(n, k, _sm_count(x.device) if x.is_cuda else 132)  # 132: the H200's SMs
+    cfg = config or choose_config(n, k, buffers.sm_count(x.device) if x.is_cuda else 132)  # 132: the H200's SMs
     if out is not None and (x.dim() != 2 or out.shape != (rows, n) or out.dtype != x.dtype):
         raise ValueError(f"out must be ({rows}, {n}) {x.dtype} for 2-D x, got {tuple(out.shape)} {out.dtype}")
     block_m = _block_m(rows)
     tiles = triton.cdiv(n, cfg.block_n)
     parked = None
     if park and cfg.split_k > 1 and bias is None and out is None:
-        parked = y = parts = counts = _alloc((cfg.split_k, rows, n), torch.float32, x.device)  # y, counts unused
+        parked = y = parts = counts = buffers.alloc((cfg.split_k, rows, n), torch.float32, x.device)  # y, counts unused
     elif cfg.split_k > 1:
-        y = out if out is not None else _alloc((rows, n), x.dtype, x.device)
-        parts = _alloc((cfg.split_k, tiles, cfg.block_n, block_m), torch.float32, x.device)
+        y = out if out is not None else buffers.alloc((rows, n), x.dtype, x.device)
+        parts = buffers.alloc((cfg.split_k, tiles, cfg.block_n, block_m), torch.float32, x.device)
         counts = _split_counters(x.device, tiles)
     else:
-        y = parts = counts = out if out is not None else _alloc((rows, n), x.dtype, x.device)  # parts unused
+        y = parts = counts = out if out is not None else buffers.alloc((rows, n), x.dtype, x.device)  # parts unused
     _skinny_linear_kernel[(tiles, cfg.split_k)](
         x2, w, bias if bias is not None else w, y, parts, counts, rows, n, k, x2.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
@@ -289,7 +194,7 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: tor
     that splits K or more rows run the GEMM and triton_layers.silu_and_mul instead, with the same numerics."""
     rows = _row_count(x)
     two_i, k = gate_up_weight.shape
-    cfg = config or choose_config(two_i, k, _sm_count(x.device) if x.is_cuda else 132)
+    cfg = config or choose_config(two_i, k, buffers.sm_count(x.device) if x.is_cuda else 132)
     if (rows == 0 or rows > MAX_ROWS or bias is not None or cfg.split_k > 1 or cfg.block_n < 32 or two_i % 2
             or x.dtype not in (torch.bfloat16, torch.float16) or gate_up_weight.dtype != x.dtype
             or not x.is_cuda and not INTERPRET):
@@ -299,7 +204,7 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: tor
         x2 = x2.contiguous()
     w = gate_up_weight if gate_up_weight.stride(-1) == 1 else gate_up_weight.contiguous()
     inter, block_n, block_m = two_i // 2, cfg.block_n // 2, _block_m(rows)
-    y = _alloc((rows, inter), x.dtype, x.device)
+    y = buffers.alloc((rows, inter), x.dtype, x.device)
     _skinny_linear_kernel[(triton.cdiv(inter, block_n), 1)](
         x2, w, w, y, y, y, rows, inter, k, x2.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,

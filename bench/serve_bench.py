@@ -1,4 +1,4 @@
-"""python -m scripts.serve_bench: a model served by a real tritonserver, driven by N concurrent gRPC streams,
+"""python -m bench.serve_bench: a model served by a real tritonserver, driven by N concurrent gRPC streams,
 beside the same requests run offline by the engine. Prints a table and one JSON line.
 
 Each level sends N requests at once (one wave) over gRPC streaming with token-id prompts, and reports output
@@ -90,7 +90,7 @@ def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int
     """The engine alone on the same requests, wave by wave; stream=True: every request streams its outputs
     (detokenized each step by the output thread), as the served path does before Triton's own work."""
     from backend import Engine, EngineConfig, SamplingParams
-    from backend.bench import stream_all
+    from bench.offline import stream_all
 
     cfg = EngineConfig.from_dict({k: v for k, v in parameters.items() if k in EngineConfig.__dataclass_fields__})
     engine = Engine(cfg)

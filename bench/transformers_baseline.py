@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from .models import resolve_model_path
+from backend.models import resolve_model_path
 
 
 def _hf_model(model_name: str, device: str):

@@ -1,4 +1,4 @@
-"""python -m scripts.launch_cost: CPU microseconds of each call a decode step's launch makes (GPU machine).
+"""python -m bench.launch_cost: CPU microseconds of each call a decode step's launch makes (GPU machine).
 
 Builds an engine for a workload's model, then times, with the GPU kept busy so nothing waits: a captured decode
 graph's replay at each bucket, entering a stream context, recording and waiting on events, a small pinned

@@ -7,9 +7,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .detokenizer import IncrementalDetokenizer
-from .loop_gate import LoopGate
-from .request import FINISH_STOP, Request, RequestOutput
+from backend.outputs.detokenizer import IncrementalDetokenizer
+from backend.runtime.loop_gate import LoopGate
+from backend.request import FINISH_STOP, Request, RequestOutput
 
 log = logging.getLogger("tandem.outputs")
 
@@ -136,7 +136,7 @@ class OutputProcessor:
         staged: list[_Staged] = []
         for n, (request_id, group) in enumerate(groups.items()):
             if n % _REQUESTS_PER_PASS == 0:
-                self._gate.pass_()  # the engine loop's CPU work goes first
+                self._gate.yield_to_loop()  # the engine loop's CPU work goes first
             try:
                 with self._lock:
                     state = self._states.get(request_id)
@@ -156,7 +156,7 @@ class OutputProcessor:
         decoded = iter(self._decode_batch([item.state.detok for item in staged if item.needs]))
         for n, item in enumerate(staged):
             if n % _REQUESTS_PER_PASS == 0:
-                self._gate.pass_()
+                self._gate.yield_to_loop()
             try:
                 self._emit(item, next(decoded) if item.needs else None)
             except Exception:

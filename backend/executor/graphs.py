@@ -13,8 +13,14 @@ final token) on the CPU.
 from __future__ import annotations
 
 import bisect
+from typing import Callable
 
 import torch
+
+from backend.models.spec import ModelSpec
+
+# (slot, previous slot, bucket, block-table width, longest context, logits buffer or None) → logits (bucket, V)
+DecodeForward = Callable[..., torch.Tensor]
 
 _BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
@@ -22,10 +28,15 @@ _BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256
 class DecodeGraphs:
     """Captured decode graphs keyed by (slot, bucket)."""
 
-    def __init__(self, runner, max_graph_batch: int) -> None:
-        self.runner = runner
-        self.eager = runner.device.type != "cuda"
-        limit = min(max_graph_batch, runner.layout.max_seqs, runner.layout.max_tokens)
+    def __init__(self, forward: DecodeForward, pipeline, device: torch.device, layout, block_size: int,
+                 spec: ModelSpec, max_graph_batch: int) -> None:
+        self.forward = forward
+        self.block_size = block_size
+        self.pipeline = pipeline
+        self.device = device
+        self.layout = layout
+        self.eager = device.type != "cuda"
+        limit = min(max_graph_batch, layout.max_seqs, layout.max_tokens)
         self.buckets = list(range(1, limit + 1)) if self.eager else [b for b in _BUCKETS if b <= limit]
         if not self.buckets or self.buckets[-1] < limit:
             self.buckets.append(limit)
@@ -34,9 +45,8 @@ class DecodeGraphs:
         if self.eager:
             return
         self.pool = torch.cuda.graph_pool_handle()
-        vocab = runner.model.spec.vocab_size
         # the LM head writes here, outside the pool, in the model's dtype: read by the eager sampler when one runs
-        self.logits = torch.empty(self.buckets[-1], vocab, dtype=runner.model.spec.dtype, device=runner.device)
+        self.logits = torch.empty(self.buckets[-1], spec.vocab_size, dtype=spec.dtype, device=device)
 
     def bucket_for(self, batch_size: int) -> int | None:
         i = bisect.bisect_left(self.buckets, batch_size)
@@ -46,16 +56,17 @@ class DecodeGraphs:
         """Capture every bucket for both slots, largest first so smaller graphs reuse its pool memory."""
         if self.eager:
             return
-        pipe = self.runner.pipeline
-        torch.cuda.synchronize(self.runner.device)
-        base = torch.cuda.memory_reserved(self.runner.device)
+        pipe = self.pipeline
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_reserved(self.device)
         for slot in pipe.slots:
             self._prepare(slot)
         for slot in pipe.slots:
             for bucket in reversed(self.buckets):
                 self._capture(slot, pipe.other(slot), bucket)
-            torch.cuda.synchronize(self.runner.device)
-            self.memory[f"after_slot{slot.index}"] = torch.cuda.memory_reserved(self.runner.device) - base
+            # why: the pool's size after each slot is read once that slot's captures are all done
+            torch.cuda.synchronize(self.device)
+            self.memory[f"after_slot{slot.index}"] = torch.cuda.memory_reserved(self.device) - base
 
     def _prepare(self, slot) -> None:
         """Harmless inputs for warm-up and capture: every row a one-token sequence in the null block."""
@@ -72,17 +83,12 @@ class DecodeGraphs:
     def _body(self, slot, prev_slot, bucket: int, width: int | None = None, max_len: int | None = None
               ) -> torch.Tensor:
         """Carry-over, forward, logits, greedy pick; fixed shapes (the whole block table) unless given."""
-        r = self.runner
-        ids = r.carry_over(slot, prev_slot, bucket)
-        width = width or r.layout.max_blocks
-        meta = r.metadata(slot, bucket, bucket, width, 1, max_len or width * r.block_size)
-        hidden = r.model(ids, slot.dev["positions"][:bucket], r.kv_cache, meta)  # (bucket, H)
-        logits = r.model.compute_logits(hidden, out=None if self.eager else self.logits[:bucket])  # (bucket, V)
-        r.model.ops.greedy_argmax(logits, slot.out_tokens[:bucket])  # greedy tokens, final for all-greedy steps
-        return logits
+        width = width or self.layout.max_blocks
+        return self.forward(slot, prev_slot, bucket, width, max_len or width * self.block_size,
+                            None if self.eager else self.logits[:bucket])
 
     def _capture(self, slot, prev_slot, bucket: int) -> None:
-        stream = self.runner.pipeline.compute_stream
+        stream = self.pipeline.compute_stream
         with torch.cuda.stream(stream):
             self._body(slot, prev_slot, bucket)  # warm-up: kernels compiled and autotuned before capture
         # why: capture must start from a quiet stream so no earlier work is recorded into the graph
@@ -97,6 +103,6 @@ class DecodeGraphs:
 
         A captured graph reads the whole block table; the eager body on the CPU only `width` columns."""
         if self.eager:
-            return self._body(slot, self.runner.pipeline.other(slot), bucket, width, max_len)
+            return self._body(slot, self.pipeline.other(slot), bucket, width, max_len)
         self.graphs[(slot.index, bucket)].replay()
         return self.logits[:bucket]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .request import Request
+from backend.request import Request
 
 
 class SteadyBatch:

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .request import Request
+from backend.request import Request
 
 _ALWAYS = -1  # an edit that holds whatever the row's last token is
 

@@ -11,7 +11,7 @@ class LoopGate:
     Python hands the GIL to a waiting thread after each switch interval and gets it back only when that thread
     blocks or its own interval ends. A helper thread busy with outputs therefore makes each GIL-releasing CUDA
     call of the loop wait, for up to a switch interval each time: on the H200 host a decode step's launch took
-    330-420 us, against about 100 us for its calls one by one (scripts/launch_cost.py). Helpers that pass the
+    330-420 us, against about 100 us for its calls one by one (bench/launch_cost.py). Helpers that pass the
     gate run while the loop is blocked anyway. A pass waits at most max_wait_s, so a loop that never blocks
     cannot starve them. Without CUDA the loop's model runs inside launch, so the gate stays open there.
     """
@@ -36,7 +36,7 @@ class LoopGate:
         self.enabled = False
         self._open.set()
 
-    def pass_(self) -> None:
+    def yield_to_loop(self) -> None:
         """A helper's pause point between pieces of work."""
         if self.enabled and not self._open.is_set():
             self._open.wait(self.max_wait_s)

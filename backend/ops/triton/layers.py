@@ -7,18 +7,16 @@ try:
     import triton
     import triton.language as tl
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
-    raise ImportError("backend.ops.triton_layers needs the `triton` package") from exc
+    raise ImportError("backend.ops.triton.layers needs the `triton` package") from exc
+
+from backend.ops.triton import buffers  # noqa: E402
 
 from backend.ops.partial_sums import PartialSums  # noqa: E402  (after the guarded import)
-from backend.ops.triton_launch import allow_dependents, dependent_wait  # noqa: E402
+from backend.ops.triton.launch import allow_dependents, dependent_wait  # noqa: E402
 
 __all__ = ["rms_norm", "add_rms_norm", "apply_rope", "rope_write_kv", "silu_and_mul", "unpack_qkv", "load_summed",
            "rope_cos_sin", "rope_rotate"]
 
-
-def _alloc(shape, dtype, device):
-    """Fresh, uninitialised buffer; one indirection so tests can poison every new output."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +79,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = F
     shape = x.shape
     x2 = _rows(x)
     R, N = x2.shape
-    out = _alloc((R, N), torch.promote_types(x.dtype, weight.dtype), x.device)
+    out = buffers.alloc((R, N), torch.promote_types(x.dtype, weight.dtype), x.device)
     if R:
         block = triton.next_power_of_2(N)
         _rms_norm_kernel[(R,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, 0, float(eps),
@@ -105,8 +103,8 @@ def add_rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: 
         shape, x2, parts = x.shape, _rows(x), 0
     R, N = r2.shape
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-    total = _alloc((R, N), sum_dtype, residual.device)
-    out = _alloc((R, N), torch.promote_types(sum_dtype, weight.dtype), residual.device)
+    total = buffers.alloc((R, N), sum_dtype, residual.device)
+    out = buffers.alloc((R, N), torch.promote_types(sum_dtype, weight.dtype), residual.device)
     if R:
         block = triton.next_power_of_2(N)
         # partials are several fp32 rows per row: twice the warps (1B at 64 rows, 4 parts: 1.66 µs a call at 16
@@ -179,8 +177,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     if k.stride(-1) != 1:
         k = k.contiguous()
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    q_out = _alloc((T, HQ, D), q.dtype, q.device)
-    k_out = _alloc((T, HK, D), k.dtype, k.device)
+    q_out = buffers.alloc((T, HQ, D), q.dtype, q.device)
+    k_out = buffers.alloc((T, HK, D), k.dtype, k.device)
     if T:
         half = D // 2
         _rope_kernel[(T,)](
@@ -259,7 +257,7 @@ def rope_write_kv(q: torch.Tensor | PartialSums, k: torch.Tensor | PartialSums, 
     (q, k, v), dtype, parts, stride_part = unpack_qkv(q, k, v, kv_cache_layer.dtype)
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     c = kv_cache_layer
-    q_out = _alloc((T, HQ, D), dtype, c.device)
+    q_out = buffers.alloc((T, HQ, D), dtype, c.device)
     if T:
         half = D // 2
         hq_pad, half_pad = triton.next_power_of_2(HQ), triton.next_power_of_2(half)
@@ -300,7 +298,7 @@ def silu_and_mul(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     x2 = _rows(x)
     R, two_i = x2.shape
     I = two_i // 2
-    out = _alloc((R, I), x.dtype, x.device)
+    out = buffers.alloc((R, I), x.dtype, x.device)
     if R and I:
         block = min(2048, triton.next_power_of_2(I))
         _silu_and_mul_kernel[(R, triton.cdiv(I, block))](x2, out, x2.stride(0), out.stride(0), I,

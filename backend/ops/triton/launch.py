@@ -16,7 +16,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
-    raise ImportError("backend.ops.triton_launch needs the `triton` package") from exc
+    raise ImportError("backend.ops.triton.launch needs the `triton` package") from exc
 
 __all__ = ["INTERPRET", "allow_dependents", "dependent_wait"]
 

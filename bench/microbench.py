@@ -1,6 +1,6 @@
 """Microbenchmarks of one decode step's memory-bound parts on CUDA: paged decode attention and the weight pass.
 
-`python -m backend.ops.microbench [--sweep]` prints a table, then one JSON line. Every figure is bytes that
+`python -m bench.microbench [--sweep]` prints a table, then one JSON line. Every figure is bytes that
 must cross device memory (KV read once / weights read once) over the time of a CUDA-graph replay.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
+from backend.ops.triton import buffers
 
 __all__ = ["bench_decode_attention", "bench_prefill_attention", "bench_weight_pass", "sweep_decode", "sweep_prefill",
            "sweep_linear"]
@@ -59,7 +61,7 @@ class _DecodeSetup:
     """A decode batch over a random paged cache: every sequence `context` long, shuffled block ids."""
 
     def __init__(self, batch, context, num_heads, num_kv_heads, head_dim, block_size, dtype):
-        from backend.ops.attention import AttentionMetadata
+        from backend.ops.torch.attention import AttentionMetadata
 
         dev = _DEV
         blocks_per_seq = -(-context // block_size)
@@ -89,7 +91,7 @@ def bench_decode_attention(batch=32, context=4096, num_heads=32, num_kv_heads=8,
                            dtype=torch.bfloat16, **launch) -> dict:
     """One layer's paged decode attention (KV write + split-K attention + reduce); TB/s = KV bytes / time."""
     _require_cuda()
-    from backend.ops import triton_attention as ta
+    from backend.ops.triton import attention as ta
 
     s = _DecodeSetup(batch, context, num_heads, num_kv_heads, head_dim, block_size, dtype)
     if launch:
@@ -101,16 +103,16 @@ def bench_decode_attention(batch=32, context=4096, num_heads=32, num_kv_heads=8,
             return ta.paged_attention(s.q, s.k, s.v, s.cache, s.meta, s.scale)
     ms = _time_graph(step)
     splits = launch.get("num_splits") or ta.choose_num_splits(batch, num_kv_heads, context,
-                                                              ta._sm_count(s.q.device))
+                                                              buffers.sm_count(s.q.device))
     return dict(ms=ms, tb_per_s=s.kv_bytes / ms / 1e9, num_splits=splits)
 
 
 def sweep_decode(batch=32, context=4096, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
                  splits=(1, 2, 3, 4, 6, 8, 16)) -> list:
     """Decode attention over split counts (default tile): rows for KERNELS.md."""
-    from backend.ops import triton_attention as ta
+    from backend.ops.triton import attention as ta
 
-    auto = ta.choose_num_splits(batch, num_kv_heads, context, ta._sm_count(torch.device(_DEV)))
+    auto = ta.choose_num_splits(batch, num_kv_heads, context, buffers.sm_count(torch.device(_DEV)))
     rows = []
     for n in sorted(set(splits) | {auto}):
         shape = dict(batch=batch, context=context, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -140,8 +142,8 @@ def bench_prefill_attention(num_tokens=2048, num_seqs=1, num_heads=32, num_kv_he
                             block_size=16, dtype=torch.bfloat16, **launch) -> dict:
     """Causal prefill of `num_seqs` prompts of num_tokens/num_seqs tokens each; TFLOP/s of the causal half."""
     _require_cuda()
-    from backend.ops.attention import AttentionMetadata
-    from backend.ops import triton_attention as ta
+    from backend.ops.torch.attention import AttentionMetadata
+    from backend.ops.triton import attention as ta
 
     dev = _DEV
     n = num_tokens // num_seqs
@@ -189,7 +191,7 @@ def bench_weight_pass(hidden=4096, intermediate=14336, layers=32, vocab=128256, 
     x = torch.randn(batch, hidden, dtype=dt, device=dev)
     nbytes = sum(w.numel() * w.element_size() for layer in ws for w in layer) + lm_head.numel() * 2
     if with_layers:
-        from backend.ops import triton_layers as tly
+        from backend.ops.triton import layers as tly
 
     def step():
         h = x
@@ -235,8 +237,8 @@ def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP, chain
     leaves split-K partials unsummed, as when the next kernel (add_rms_norm) adds them; gated times W as a
     [gate; up] weight with SiLU-and-mul: the fused kernel (linear_silu_and_mul) for every config, against cuBLAS
     and the table's GEMM ("unfused") each followed by the SiLU-and-mul kernel."""
-    from backend.ops import triton_layers as tly
-    from backend.ops import triton_linear as tlin
+    from backend.ops.triton import layers as tly
+    from backend.ops.triton import linear as tlin
 
     out = []
     for name, (n, k) in (shapes or LINEAR_SHAPES).items():
@@ -255,7 +257,7 @@ def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP, chain
                 y = F.linear(x, next(copies))
                 return tly.silu_and_mul(y, pdl=pdl) if gated else y
 
-            row = dict(shape=name, rows=rows, auto=tlin.choose_config(n, k, tlin._sm_count(w.device)))
+            row = dict(shape=name, rows=rows, auto=tlin.choose_config(n, k, buffers.sm_count(w.device)))
             row["cublas"] = w.numel() * 2 / _time_graph(cublas, chain=chain) / 1e9
             listed = tlin.H200_CONFIGS.get((n, k, tlin._block_m(rows)))
             if gated and listed is not None:
@@ -298,7 +300,7 @@ def main(argv=None) -> int:
     _require_cuda()
     results = {"device": torch.cuda.get_device_name()}
     if args.linear:
-        from backend.ops import triton_linear as tlin
+        from backend.ops.triton import linear as tlin
 
         shapes = {name: LINEAR_SHAPES[name] for name in args.shapes.split(",")} if args.shapes else None
         results["linear_sweep"] = sweep_linear(tuple(int(r) for r in args.rows.split(",")), shapes,

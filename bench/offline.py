@@ -1,6 +1,6 @@
-"""python -m backend.bench: the offline benchmark, our engine beside transformers on the same prompts.
+"""python -m bench.offline: the offline benchmark, our engine beside transformers on the same prompts.
 
-Prints its settings, a table, and one JSON line of results. Workloads are those of shared/MEASURE.md.
+Prints its settings, a table, and one JSON line of results. Workloads: WORKLOADS below; current figures in docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import Engine, EngineConfig, SamplingParams
-from .engine_setup import STAND_IN
+from backend import Engine, EngineConfig, SamplingParams
+from backend.models import STAND_IN
 
-COPY_BANDWIDTH = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (DESIGN.md §5)
+COPY_BANDWIDTH = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (an H200 device-to-device copy, bytes read + written; docs/benchmarks.md)
 
 
 @dataclass
@@ -103,7 +103,7 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
                       cpu_us_per_step=round(summary["cpu_us_per_step"], 1), steps=summary["steps"],
                       preemptions=engine.stats()["preemptions"], cpu_us_by_phase=summary["cpu_us_by_phase"])
         if wl.model == STAND_IN:
-            from .standin import expected_tokens
+            from backend.models.standin import expected_tokens
 
             result["all_tokens_exact"] = all(o.token_ids == expected_tokens(p, wl.max_tokens(i), vocab)
                                              for i, (o, p) in enumerate(zip(outs, prompts)))
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
                     help="new tokens for the transformers runs (default: the workload's); tok/s is quoted")
     args = ap.parse_args(argv)
     if args.workload == "microbench":
-        from .ops import microbench
+        from bench import microbench
 
         return microbench.main([])
     wl = WORKLOADS[args.workload]
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
             rows.append(dict(engine="tandem", **run_engine(wl, n, mode == "async", args)))
             print(_row(rows[-1]), flush=True)
         if args.compare == "transformers":
-            from .bench_transformers import run_transformers
+            from bench.transformers_baseline import run_transformers
 
             hf_wl = Workload(wl.model, wl.requests, wl.prompt_len, args.compare_new_tokens or wl.new_tokens)
             for r in run_transformers(hf_wl, n, make_prompts(n, wl.prompt_len, 250), args.device or wl.device):

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from .timeline import Timeline
+from backend.runtime.timeline import Timeline
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""The per-step update rules: a step's tokens are accepted, stop and length limits end requests, full KV blocks
+are hashed for prefix caching, and finished requests' blocks return (after the step that still writes them)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+from backend.core.kv_cache import BlockManager
+from backend.core.scheduler import Scheduler
+from backend.outputs.processor import StepEvent
+from backend.request import FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from backend.executor.packer import StepResult, StepState
+
+
+class StepUpdater:
+    """Applies each step's results to its requests; runs on the engine thread."""
+
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+
+    def apply(self, st: StepState, result: StepResult, next_state: StepState | None,
+              finish: Callable[[Request, str, StepState | None], None]) -> list[StepEvent | tuple[str, int]]:
+        """A step's tokens arrived: update its requests and return the events for the output thread. finish(req,
+        reason, next_state) ends a request (the engine's, which calls finish() below and forgets the request)."""
+        sb, first = st.batch.steady, 0
+        events: list[StepEvent | tuple[str, int]] = []
+        if sb is not None and sb is self.scheduler.steady and st.steady_version == sb.version:
+            steady_events = self._update_steady(st, result)
+            if steady_events is not None:  # the steady rows are done; joiners (if any) follow the general rules
+                events, first = steady_events, st.batch.num_steady_rows
+        self._update_rows(result, first, next_state, events, finish)
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            bs = bm.block_size
+            for req in st.batch.requests[first:]:  # hash blocks that just filled up, for later prefix hits
+                if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs and not req.is_finished:
+                    bm.register_full_blocks(req, req.num_computed_tokens)
+        for req in st.batch.free_after:
+            self.block_manager.free(req)
+        return events
+
+    def _update_rows(self, result: StepResult, first: int, next_state: StepState | None,
+                     events: list[StepEvent | tuple[str, int]], finish) -> None:
+        """Each sampled row from `first` on: accept its token, check its stops, append its event."""
+        lps = result.logprobs
+        rows = zip(result.requests[first:], result.token_ids[first:])
+        for i, (req, tok) in enumerate(rows, start=first):
+            if req.is_finished:
+                req.drop_pending()  # finished while this step was queued: its token is dropped
+                continue
+            req.accept_token(tok)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            reason = self._stop_reason(req, tok)
+            if req.final_only:  # no per-step event: the output thread hears of it once, at the end
+                if reason is None:
+                    continue
+                event = StepEvent(req.request_id, tok, None, reason, all_tokens=req.output_token_ids)
+            else:
+                lp = None
+                if lps is not None:
+                    top = None
+                    if result.top_ids is not None and req.params.logprobs:
+                        k = req.params.logprobs
+                        top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k]))
+                    lp = (lps[i], result.ranks[i], top)
+                if lp is None and reason is None:
+                    events.append((req.request_id, tok))  # the common case: a bare pair, made an event off the loop
+                    continue
+                event = StepEvent(req.request_id, tok, lp, reason)
+            events.append(event)
+            if reason is not None:
+                finish(req, reason, next_state)
+
+    def _update_steady(self, st: StepState, result: StepResult) -> list[tuple[str, int]] | None:
+        """The steady rows' tokens, when they end no request: appended with one short loop, no per-row checks.
+
+        None: some row may stop (a stop token, or near a length limit), so the general update looks at each row.
+        The steady batch is still the scheduler's and no row left or joined it since the step was packed, so its
+        rows are the step's first rows, in order."""
+        sb = st.batch.steady
+        tokens = result.token_ids[:len(sb)]
+        if sb.near_length_limit() or sb.hits_stop_token(tokens):
+            return None
+        sb.accept(tokens)
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            for row in sb.rows_to_hash():  # blocks that just filled up, for later prefix hits
+                req = sb.requests[row]
+                bm.register_full_blocks(req, req.num_computed_tokens)
+                sb.hashed_blocks[row] = len(req.block_hashes)
+        return sb.events(tokens)
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        n_out = len(req.output_token_ids)
+        if tok in req.stop_ids and n_out > p.min_tokens:  # an EOS before min_tokens does not end the request
+            return FINISH_STOP
+        if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FINISH_LENGTH
+        return None
+
+    def finish(self, req: Request, reason: str, next_state: StepState | None) -> None:
+        """Mark req finished once; its blocks return now, or after the queued step that still writes them."""
+        if req.is_finished:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.scheduler.remove(req)
+        if next_state is not None and req.last_step_id == next_state.batch.step_id:
+            next_state.batch.free_after.append(req)
+        else:
+            self.block_manager.free(req)

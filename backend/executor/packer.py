@@ -1,0 +1,218 @@
+"""Packing a scheduled step into a pipeline slot's pinned host buffers: token ids (or carry-over sources),
+positions, KV slots, block tables, the rows whose logits are sampled, and the sampling settings of those rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backend.core.kv_cache import NULL_BLOCK
+from backend.core.scheduler import ScheduledBatch
+from backend.executor.pipeline import Pipeline, Slot, SlotLayout
+from backend.executor.sampler import SamplingTensors, assemble_tensors, fill_host_rows, fill_padding_rows, \
+    pad_token_table
+from backend.request import Request
+
+
+@dataclass(slots=True)
+class StepState:
+    """A launched step: what it holds and where its results land."""
+
+    batch: ScheduledBatch
+    slot: Slot
+    sampled: list[Request] = field(default_factory=list)  # requests in output-row order
+    row_of: dict[int, int] = field(default_factory=dict)  # id(request) → output row
+    read_logprobs: bool = False
+    num_top: int = 0
+    max_len: int = 0  # longest context of the batch after this step
+    steady_version: int = -1  # the steady batch's version when this step was packed from it
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Tokens (and logprobs) read back for each sampled request of a step."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    ranks: list[int] | None = None  # the sampled token's rank in its row, with logprobs
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class SlotPacker:
+    """Writes each step's inputs into the slot it takes from the pipeline; the CPU half of a step."""
+
+    def __init__(self, pipeline: Pipeline, layout: SlotLayout, block_size: int, device) -> None:
+        self.pipeline = pipeline
+        self.layout = layout
+        self.block_size = block_size
+        self.device = device
+        self._arange = np.arange(layout.max_seqs + 1)  # query_start_loc and logits_idx of decode-only steps
+
+    def pack(self, batch: ScheduledBatch, prev: StepState | None) -> StepState:
+        """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
+        slot = self.pipeline.acquire_slot()
+        st = StepState(batch, slot)
+        prev_rows = prev.row_of if prev is not None else {}
+        if batch.steady is not None:
+            first = batch.num_steady_rows
+            self._pack_steady(st, prev)
+            if len(batch) > first:  # joiners of the run, by the general rules
+                self._pack_mixed(st, prev_rows, first)
+                self._write_block_tables(slot, batch.requests[first:], first)
+            batch.steady.packed(st.sampled)
+            return st
+        if batch.is_decode_only:
+            self._pack_decode(st, prev_rows)
+        else:
+            self._pack_mixed(st, prev_rows)
+        self._write_block_tables(slot, batch.requests)
+        return st
+
+    def _pack_decode(self, st: StepState, prev_rows: dict[int, int]) -> None:
+        """One token per request (the common step): each column built as a list, then one numpy copy."""
+        h, bs, reqs = st.slot.np, self.block_size, st.batch.requests
+        b = len(reqs)
+        starts = [r.num_computed_tokens - 1 for r in reqs]
+        token_carry = np.array([self._token_at(r, p, prev_rows) for r, p in zip(reqs, starts)], dtype=np.int64)
+        h["input_ids"][:b] = token_carry[:, 0]
+        h["carry_src"][:b] = token_carry[:, 1]
+        pos = np.array(starts, dtype=np.int64)
+        st.max_len = max(starts) + 1
+        h["positions"][:b] = pos
+        h["slot_mapping"][:b] = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, starts)]
+        h["seq_lens"][:b] = pos + 1
+        h["query_start_loc"][:b + 1] = self._arange[:b + 1]
+        if all(st.batch.samples):
+            h["logits_idx"][:b] = self._arange[:b]
+            st.sampled = list(reqs)
+            st.row_of = {id(r): i for i, r in enumerate(reqs)}
+        else:  # a one-token prefill chunk that is not its prompt's last token
+            for i, (req, samples) in enumerate(zip(reqs, st.batch.samples)):
+                if samples:
+                    self._add_sampled(st, req, i)
+
+    def _pack_steady(self, st: StepState, prev: StepState | None) -> None:
+        """The steady batch's rows (the previous step's, less any that left), one token each: every column from
+        its arrays."""
+        h, bs, sb = st.slot.np, self.block_size, st.batch.steady
+        n = len(sb)
+        pos = sb.computed - 1  # (n,) the position each row feeds
+        if prev is not None:  # still on the device: row i's input is the token it samples in row src_rows[i]
+            h["input_ids"][:n] = 0
+            h["carry_src"][:n] = sb.src_rows
+        else:  # read already (synchronous mode): row i's input is the token the other slot read back there
+            h["input_ids"][:n] = self.pipeline.other(st.slot).host_tokens.numpy()[sb.src_rows]
+            h["carry_src"][:n] = -1
+        h["positions"][:n] = pos
+        h["slot_mapping"][:n] = sb.tables[sb.rows, pos // bs] * bs + pos % bs
+        h["seq_lens"][:n] = sb.computed
+        h["query_start_loc"][:n + 1] = self._arange[:n + 1]
+        h["logits_idx"][:n] = self._arange[:n]
+        width = int(sb.num_blocks.max())
+        h["block_tables"][:n, :width] = sb.tables[:, :width]
+        st.slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
+        st.max_len = int(sb.computed.max())
+        st.sampled = list(sb.requests)
+        st.row_of = dict(zip(map(id, st.sampled), range(n)))
+        st.steady_version = sb.version
+
+    def _pack_mixed(self, st: StepState, prev_rows: dict[int, int], first: int = 0) -> None:
+        """Prefill chunks (every token known on the host) beside decode rows; from request `first` on (the ones
+        before it are steady rows, one token each, packed already)."""
+        h, bs, batch = st.slot.np, self.block_size, st.batch
+        ids, pos, slots_, carry = h["input_ids"], h["positions"], h["slot_mapping"], h["carry_src"]
+        qsl, seq_lens = h["query_start_loc"], h["seq_lens"]
+        t = first  # each steady row before `first` feeds one token
+        qsl[first] = t
+        rows = zip(batch.requests[first:], batch.num_new_tokens[first:], batch.samples[first:])
+        for b, (req, n, samples) in enumerate(rows, start=first):
+            end = req.num_computed_tokens
+            start = end - n
+            blocks = req.block_ids
+            if n == 1:
+                ids[t], carry[t] = self._token_at(req, start, prev_rows)
+                pos[t] = start
+                slots_[t] = blocks[start // bs] * bs + start % bs
+            else:  # a prefill chunk: every token is known on the host
+                p = np.arange(start, end)
+                ids[t:t + n] = req.token_slice(start, end)
+                pos[t:t + n] = p
+                carry[t:t + n] = -1
+                slots_[t:t + n] = np.asarray(blocks)[p // bs] * bs + p % bs
+            seq_lens[b] = end
+            st.max_len = max(st.max_len, end)
+            t += n
+            qsl[b + 1] = t
+            if samples:
+                self._add_sampled(st, req, t - 1)
+
+    @staticmethod
+    def _add_sampled(st: StepState, req: Request, token_row: int) -> None:
+        st.slot.np["logits_idx"][len(st.sampled)] = token_row
+        st.row_of[id(req)] = len(st.sampled)
+        st.sampled.append(req)
+
+    @staticmethod
+    def _write_block_tables(slot: Slot, reqs: list[Request], first: int = 0) -> None:
+        """Row first + b of the slot's block table holds reqs[b]'s blocks; only blocks added since the slot last
+        held that same list are written."""
+        tables, owners = slot.np["block_tables"], slot.table_owners
+        for b, req in enumerate(reqs, start=first):
+            blocks = req.block_ids
+            owner = owners[b]
+            if owner is not None and owner[0] is blocks:
+                if owner[1] < len(blocks):
+                    tables[b, owner[1]:len(blocks)] = blocks[owner[1]:]
+            else:
+                tables[b, :len(blocks)] = blocks
+            owners[b] = (blocks, len(blocks))
+
+    def _token_at(self, req: Request, p: int, prev_rows: dict[int, int]) -> tuple[int, int]:
+        """(token, carry source row): a token the host knows, or a placeholder taken from the previous step."""
+        n_prompt = req.num_prompt_tokens
+        if p < n_prompt:
+            return req.prompt_token_ids[p], -1
+        if p - n_prompt < len(req.output_token_ids):
+            return req.output_token_ids[p - n_prompt], -1
+        return 0, prev_rows[id(req)]  # sampled by the step still on the device
+
+    def pad_decode(self, slot: Slot, start: int, end: int) -> None:
+        """Rows [start, end) of a graph bucket: one harmless token each, written into the null block."""
+        h = slot.np
+        h["input_ids"][start:end] = 0
+        h["positions"][start:end] = 0
+        h["slot_mapping"][start:end] = NULL_BLOCK * self.block_size
+        h["carry_src"][start:end] = -1
+        h["seq_lens"][start:end] = 1
+        h["query_start_loc"][start + 1:end + 1] = np.arange(start + 1, end + 1)
+        h["logits_idx"][start:end] = np.arange(start, end)
+        h["block_tables"][start:end, 0] = NULL_BLOCK
+        slot.table_owners[start:end] = [None] * (end - start)
+
+    def sampling_rows(self, st: StepState, rows: int) -> SamplingTensors:
+        """Fill the slot's sampling rows on the host; return the device views the sampler reads."""
+        slot, reqs = st.slot, st.sampled
+        n = len(reqs)
+        S = self.layout.max_seqs
+        host_f = slot.np["sampling_f"].reshape(6, S)
+        host_i = slot.np["sampling_i"].reshape(2, S)
+        host_k = slot.np["top_k"]
+        params = [r.params for r in reqs]
+        flags = fill_host_rows(params, [r.seed for r in reqs], [r.num_output_tokens - 1 for r in reqs],
+                           host_f[:, :n], host_i[:, :n], host_k[:n])
+        if rows > n:
+            fill_padding_rows(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])
+        prompt = output = None
+        if flags["any_penalty"]:
+            prompt = pad_token_table([r.prompt_token_ids for r in reqs], rows, self.device)
+            # outputs before this step's input token; the input token itself is appended on the device
+            output = pad_token_table([r.output_token_ids[:max(0, r.num_computed_tokens - 1 - r.num_prompt_tokens)]
+                                  for r in reqs], rows, self.device)
+        dev_f = slot.dev["sampling_f"].view(6, S)[:, :rows]
+        dev_i = slot.dev["sampling_i"].view(2, S)[:, :rows]
+        tensors = assemble_tensors(dev_f, dev_i, slot.dev["top_k"][:rows], prompt, output, flags)
+        st.read_logprobs = flags["num_logprobs"] >= 0
+        st.num_top = max(0, flags["num_logprobs"])
+        return tensors

@@ -1,0 +1,230 @@
+"""Runs a packed step on the device (carry-over + forward + logit edits + sampling) and reads its results back."""
+from __future__ import annotations
+
+import torch
+
+from backend.core.scheduler import ScheduledBatch
+from backend.executor.graphs import DecodeGraphs
+from backend.executor.logit_rules import logit_edits
+from backend.executor.packer import SlotPacker, StepResult, StepState
+from backend.executor.pipeline import Pipeline, Slot, SlotLayout
+from backend.executor.sampler import Sampler, SamplingTensors
+from backend.ops.torch.attention import AttentionMetadata
+from backend.runtime.timeline import Timeline
+
+
+class ModelRunner:
+    """Owns the KV cache, the slots' contents and the model call of every step."""
+
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, layout: SlotLayout,
+                 device: torch.device, timeline: Timeline, use_graphs: bool, max_graph_batch: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # (L, 2, NB, BS, Hkv, D)
+        self.block_size = block_size
+        self.layout = layout
+        self.device = device
+        self.timeline = timeline
+        self.pipeline = Pipeline(layout, device, timeline)
+        self.sampler = Sampler()
+        self.vocab_size = model.spec.vocab_size
+        self.sampler.vocab_hash(self.vocab_size, device)  # cached before any graph capture
+        self.packer = SlotPacker(self.pipeline, layout, block_size, device)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:  # without CUDA: the same decode-graph step, run eagerly
+            self.graphs = DecodeGraphs(self.decode_forward, self.pipeline, device, layout, block_size,
+                                       model.spec, max_graph_batch)
+
+    def prepare(self) -> None:
+        """Warm the eager forward up and capture the decode graphs, before the first request."""
+        if self.device.type == "cuda" or self.model.ops.name.startswith("triton"):
+            # before the capture, whose own warm-up resets the inputs it reads; wherever Triton kernels run, also
+            # under Triton's CPU interpreter, so the CPU tests run the warm-up's steps too
+            self.warm_up_prefill()
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
+    def decode_forward(self, slot: Slot, prev_slot: Slot | None, bucket: int, width: int, max_len: int,
+                       logits_out: torch.Tensor | None) -> torch.Tensor:
+        """A decode step's device work (what a decode graph holds): carry-over, forward, logits, greedy pick."""
+        ids = self.carry_over(slot, prev_slot, bucket)
+        meta = self.metadata(slot, bucket, bucket, width, 1, max_len)
+        hidden = self.model(ids, slot.dev["positions"][:bucket], self.kv_cache, meta)  # (bucket, H)
+        logits = self.model.compute_logits(hidden, out=logits_out)  # (bucket, V)
+        self.model.ops.greedy_argmax(logits, slot.out_tokens[:bucket])  # greedy tokens, final for all-greedy steps
+        return logits
+
+    def warm_up_prefill(self) -> list[tuple[int, int]]:
+        """Run the eager forward (prefill, mixed and penalised steps) on harmless inputs; returns its (sequences,
+        tokens each) shapes.
+
+        Decode graphs compile their kernels when they are captured, but only for the buckets' row counts; the eager
+        path's kernels would otherwise compile inside the first requests that need them, and a compile stops the
+        loop for a few hundred milliseconds. Every sequence lives in the null block, as in the graphs' capture."""
+        shapes = self._warm_up_shapes()
+        slot = self.pipeline.slots[0]
+        d = slot.dev
+        with torch.no_grad():
+            for num_seqs, q in shapes:
+                t = num_seqs * q
+                d["positions"][:t].copy_(torch.arange(q, device=self.device).repeat(num_seqs))
+                d["seq_lens"][:num_seqs].fill_(q)
+                d["query_start_loc"][:num_seqs + 1].copy_(
+                    torch.arange(0, t + 1, q, dtype=torch.int32, device=self.device))
+                d["logits_idx"][:num_seqs].copy_(torch.arange(q - 1, t, q, device=self.device))
+                self._eager_forward(slot, num_seqs, t, -(-q // self.block_size), q, q, None, num_seqs)
+            for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables", "query_start_loc",
+                         "logits_idx"):
+                d[name].zero_()  # as the slot was made: a step's pack writes only the parts it changes
+            slot.table_owners = [None] * len(slot.table_owners)  # so the next pack writes whole block-table rows
+        if self.device.type == "cuda":
+            # why: the first step's host-to-device copies run on another stream and must not race these resets
+            torch.cuda.synchronize(self.device)
+        return shapes
+
+    def _warm_up_shapes(self) -> list[tuple[int, int]]:
+        """Steps whose kernels the decode graphs do not compile, each kept if the step's token budget, the
+        sequence limit and the block table allow it: one 17-token prompt (prefill attention); three of 12 (36
+        rows: the decode GEMMs at 33-63 rows, where the graphs have only 48 and 64, which Triton compiles apart
+        as multiples of 16); 37 one-token rows (decode attention with rotary + KV write fused in, no splits, as
+        eager decode steps run it); 37 two-token rows (74 rows: cuBLAS beside the norm, rope and SiLU kernels on
+        summed outputs, and the LM head at 37 rows)."""
+        lay = self.layout
+        longest = min(lay.max_tokens, lay.max_blocks * self.block_size)
+        shapes = [(1, min(17, longest))]
+        for num_seqs, q in ((3, 12), (37, 1), (37, 2)):
+            if num_seqs <= lay.max_seqs and num_seqs * q <= lay.max_tokens and q <= longest:
+                shapes.append((num_seqs, q))
+        return shapes
+
+    def pack(self, batch: ScheduledBatch, prev: StepState | None) -> StepState:
+        """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
+        return self.packer.pack(batch, prev)
+
+    def reset_slots(self) -> None:
+        """After a failed step (the device synchronized): both slots are free for the next step."""
+        for slot in self.pipeline.slots:
+            slot.in_use = False
+
+    def release(self) -> None:
+        """Drop the device memory this runner holds (the engine has stopped)."""
+        self.graphs = None
+        self.kv_cache = None
+        self.model = None
+
+    # ---- launch (queues GPU work) -----------------------------------------------------------------
+    def launch(self, st: StepState, prev: StepState | None) -> None:
+        batch, slot = st.batch, st.slot
+        B, T = len(batch), batch.num_tokens
+        bucket = None
+        if self.graphs is not None and batch.is_decode_only and len(st.sampled) == B:
+            bucket = self.graphs.bucket_for(B)
+        if bucket is not None and bucket > B:
+            self.packer.pad_decode(slot, B, bucket)
+        rows = bucket or len(st.sampled)
+        max_len = st.max_len
+        width = max(1, -(-max_len // self.block_size))  # block-table columns that hold context
+        n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
+        steady, first = batch.steady, batch.num_steady_rows
+        if steady is not None:
+            plain_greedy = steady.all_plain_greedy and all(r.plain_greedy for r in st.sampled[first:])
+        else:
+            plain_greedy = all(r.plain_greedy for r in st.sampled)
+        if bucket is not None and plain_greedy:
+            # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare
+            def replay_only() -> int:
+                self.graphs.replay(slot, bucket, width, max_len)
+                return rows
+
+            self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, 0, replay_only, False)
+            return
+        sampling = self.packer.sampling_rows(st, rows) if rows else None
+        if bucket is not None and sampling.any_penalty:
+            bucket = None  # penalty tables vary in width: run this step eagerly
+            rows = len(st.sampled)
+            sampling = self.packer.sampling_rows(st, rows)
+        edits = logit_edits(st.sampled, self.device)
+        prev_slot = self.pipeline.other(slot)
+        has_carry = prev is not None and bool(prev.row_of)
+
+        def compute() -> int:
+            if bucket is not None:
+                logits = self.graphs.replay(slot, bucket, width, max_len)  # carry-over + forward + logits
+            else:
+                logits = self._eager_forward(slot, B, T, width, max_len, max(batch.num_new_tokens),
+                                             prev_slot if has_carry else None, len(st.sampled))
+            if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
+                return 0
+            if bucket is not None and edits is None and sampling.all_greedy and sampling.num_logprobs < 0:
+                return rows  # the graph already wrote the greedy tokens into this slot's outputs
+            if edits is not None:  # min_tokens bans, logit_bias, allowed_token_ids, bad_words
+                edits.apply(logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:len(st.sampled)]])
+            if sampling.any_penalty:
+                self._append_input_tokens(slot, sampling, len(st.sampled))
+            out = self.sampler(logits[:rows], sampling)
+            slot.out_tokens[:rows].copy_(out.token_ids)
+            if out.logprobs is not None:
+                slot.out_logprobs[:rows].copy_(out.logprobs)
+                slot.out_ranks[:rows].copy_(out.ranks)
+            if out.top_ids is not None:
+                k = out.top_ids.shape[1]
+                slot.out_top_ids[:rows, :k].copy_(out.top_ids)
+                slot.out_top_logprobs[:rows, :k].copy_(out.top_logprobs)
+            return rows
+
+        self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, slot.host_f32.numel(), compute,
+                             st.read_logprobs)
+
+    def carry_over(self, slot: Slot, prev_slot: Slot | None, num_tokens: int) -> torch.Tensor:
+        """Input ids with placeholders replaced by the previous step's sampled tokens (on the device)."""
+        ids = slot.dev["input_ids"][:num_tokens]
+        if prev_slot is None:
+            return ids
+        src = slot.dev["carry_src"][:num_tokens]  # (T,) row of the previous step, or -1
+        carried = prev_slot.out_tokens[src.clamp(min=0)]  # (T,)
+        ids.copy_(torch.where(src >= 0, carried, ids))  # in place: penalties read the final ids
+        return ids
+
+    def metadata(self, slot: Slot, num_seqs: int, num_tokens: int, width: int, max_query_len: int,
+                 max_seq_len: int) -> AttentionMetadata:
+        d = slot.dev
+        return AttentionMetadata(
+            slot_mapping=d["slot_mapping"][:num_tokens],
+            query_start_loc=d["query_start_loc"][:num_seqs + 1],
+            seq_lens=d["seq_lens"][:num_seqs],
+            block_tables=d["block_tables"][:num_seqs, :width],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+
+    def _eager_forward(self, slot: Slot, B: int, T: int, width: int, max_len: int, max_q: int,
+                       prev_slot: Slot | None, num_sampled: int) -> torch.Tensor:
+        ids = self.carry_over(slot, prev_slot, T)
+        meta = self.metadata(slot, B, T, width, max_q, max_len)
+        hidden = self.model(ids, slot.dev["positions"][:T], self.kv_cache, meta)  # (T, H)
+        return self.model.compute_logits(hidden[slot.dev["logits_idx"][:num_sampled]])  # (N, V)
+
+    def _append_input_tokens(self, slot: Slot, sampling: SamplingTensors, n: int) -> None:
+        """Penalties count this step's input token (maybe carried over) as an output token when it is one."""
+        out = sampling.output_token_ids  # (B, Lo) padded with -1
+        idx = slot.dev["logits_idx"][:n]
+        last = slot.dev["input_ids"][idx]  # (n,)
+        is_output = slot.dev["positions"][idx] >= sampling.prompt_token_ids.ne(-1).sum(1)[:n]
+        col = torch.where(is_output, last, torch.full_like(last, -1))
+        pad = torch.full((out.shape[0], 1), -1, dtype=out.dtype, device=out.device)
+        pad[:n, 0] = col
+        sampling.output_token_ids = torch.cat([out, pad], dim=1)
+
+    # ---- results (after the step's one wait) ------------------------------------------------------
+    def read(self, st: StepState) -> StepResult:
+        """Block on st's device-to-host event, then copy its tokens out of the pinned buffers."""
+        self.pipeline.wait(st.slot)
+        n = len(st.sampled)
+        slot = st.slot
+        result = StepResult(st.sampled, slot.host_tokens[:n].tolist())
+        if st.read_logprobs:
+            result.logprobs = slot.host_logprobs[:n].tolist()
+            result.ranks = slot.host_ranks[:n].tolist()
+            if st.num_top:
+                result.top_ids = slot.host_top_ids[:n, :st.num_top].tolist()
+                result.top_logprobs = slot.host_top_logprobs[:n, :st.num_top].tolist()
+        return result
