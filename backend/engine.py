@@ -34,7 +34,8 @@ class EngineDead(RuntimeError):
 
 
 _MAX_CONSECUTIVE_FAULTS = 3
-_SWITCH_INTERVAL_S = 0.0001  # 1B served at 64 streams: 22.9k tok/s at 0.5 ms, 27.7k at 0.1 ms (docs/history/2026-11-29.md, 5aeec4e)
+# 1B served at 64 streams: 22.9k tok/s at 0.5 ms, 27.7k at 0.1 ms (docs/history/2026-11-29.md, 5aeec4e)
+_SWITCH_INTERVAL_S = 0.0001
 
 
 class Engine:

@@ -1,6 +1,7 @@
 """python -m bench.offline: the offline benchmark, our engine beside transformers on the same prompts.
 
-Prints its settings, a table, and one JSON line of results. Workloads: WORKLOADS below; current figures in docs/benchmarks.md.
+Prints its settings, a table, and one JSON line of results. Workloads: WORKLOADS below; current figures in
+docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from backend import Engine, EngineConfig, SamplingParams
 from backend.models import STAND_IN
 
-COPY_BANDWIDTH = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (an H200 device-to-device copy, bytes read + written; docs/benchmarks.md)
+COPY_BANDWIDTH = 4.24e12  # bytes/s of an H200 device-to-device copy, bytes read + written (docs/benchmarks.md)
 
 
 @dataclass
