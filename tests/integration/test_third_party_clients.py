@@ -9,14 +9,19 @@ a newer Triton core than nvidia-pytriton's); test_vllm_conventions.py replays th
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import jinja2
 import pytest
 
 from backend.models.default_model import DEFAULT_ALIAS, resolve_model_path
 from tests.integration.conftest import MODEL_NAME
-from tests.integration.test_triton_serving import http_generate
+from tests.integration.test_triton_serving import http_generate, sse_events
 
 pytestmark = pytest.mark.integration
 
+AIPERF_TEMPLATE = Path(__file__).resolve().parents[2] / "loadtest" / "aiperf" / "generate.json.jinja"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"max_tokens": 8, "temperature": 0}
 
@@ -133,3 +138,21 @@ def test_litellm_gets_our_400_as_bad_request(triton_server, litellm_client, kwar
             list(response)
     assert caught.value.status_code == 400
     assert message in str(caught.value)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["generate", "generate_stream"])
+def test_aiperf_template_gives_exactly_max_tokens_without_the_prompt(triton_server, stream):
+    """loadtest/aiperf/generate.json.jinja, rendered as aiperf's template endpoint renders it (Jinja2 with
+    autoescape, its text / stream / max_tokens), is a body Triton's /generate and /generate_stream take: exactly
+    max_tokens new tokens (ignore_eos), in text_output (the template's response_field), without the prompt."""
+    prompt = 'Repeat after me: "tea & <biscuits>" and then a long story about a dragon'
+    template = jinja2.Environment(autoescape=True).from_string(AIPERF_TEMPLATE.read_text())
+    body = json.loads(template.render(text=prompt, stream=stream, max_tokens=12))
+    assert body["text_input"] == prompt and body["stream"] is stream
+    body["return_num_output_tokens"] = True  # as aiperf's --extra-inputs would add it, at the top level
+    response = http_generate(triton_server, body, stream=stream)
+    assert response.status_code == 200, response.text
+    events = sse_events(response) if stream else [response.json()]
+    assert [e for e in events if "error" in e] == []
+    assert sum(e["num_output_tokens"] for e in events) == 12
+    assert prompt not in "".join(e["text_output"] for e in events)
