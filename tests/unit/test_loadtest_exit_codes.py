@@ -95,7 +95,8 @@ def test_loadtest_run_exits_2_before_locust_when_the_server_is_unreachable(tmp_p
 
     port = closed_port()
     assert main(["--host", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "out")]) == 2
-    assert f"cannot reach Triton over HTTP at 127.0.0.1:{port}: nothing listens on port {port}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"cannot reach Triton over HTTP at 127.0.0.1:{port}: nothing listens on port {port}" in err
     assert not (tmp_path / "out").exists()
     with pytest.raises(SystemExit) as exit_:
         main(["--host", "grpc://127.0.0.1:1", "--protocol", "http"])
