@@ -1,6 +1,7 @@
-"""PNG charts of a Locust run: throughput and latency over time (stats history), latency percentiles."""
+"""PNG charts of a load test: throughput and latency over time, latency percentiles (numbers from chart_data)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -8,105 +9,97 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-from loadtest.report import METRICS, PERCENTILES, to_float  # noqa: E402
+from loadtest.chart_data import (  # noqa: E402
+    Bins, generated_per_second, latency_per_bin, percentile_bars, requests_per_second, run_window,
+    users_over_time,
+)
+from loadtest.report import METRICS, PERCENTILES  # noqa: E402
+
+FEW_SAMPLES = 20  # below this a p95 or p99 is close to the maximum: the chart says so
 
 
-def _series(history: list[dict[str, str]], name: str) -> list[dict[str, str]]:
-    return [row for row in history if row["Name"] == name]
+def headroom(values) -> float:
+    """A y limit a quarter above the highest value, so the top line clears the frame and the legend."""
+    top = max((v for v in values if not math.isnan(v)), default=0.0)
+    return top * 1.25 if top > 0 else 1.0
 
 
-def _rates(times: list[int], values: list[float]) -> list[float]:
-    """Per-interval rate of a cumulative value (Locust's own Requests/s is a slow rolling average)."""
-    return [0.0] + [max(b - a, 0.0) / max(tb - ta, 1) for a, b, ta, tb in zip(values, values[1:], times, times[1:])]
-
-
-def generated_per_second(samples: list[dict], t0: float, bin_s: float = 1.0) -> tuple[list[float], list[float]]:
-    """Output tokens/s in bins of bin_s seconds since t0, each request's tokens spread evenly from its first token
-    to its end (a whole request's tokens counted at its completion make waves of equal requests look like spikes)."""
-    spans = []
-    for s in samples:
-        if "error" in s or not s.get("output_tokens") or s.get("ttft_ms") is None:
-            continue
-        first = s["start"] + s["ttft_ms"] / 1000.0 - t0
-        end = s["start"] + s["e2e_ms"] / 1000.0 - t0
-        spans.append((first, max(end, first + 1e-9), s["output_tokens"]))
-    if not spans:
-        return [], []
-    bins = [0.0] * (int(max(e for _, e, _ in spans) // bin_s) + 1)
-    for first, end, tokens in spans:
-        rate = tokens / (end - first)
-        b = int(first // bin_s)
-        while b * bin_s < end:
-            overlap = min(end, (b + 1) * bin_s) - max(first, b * bin_s)
-            bins[b] += rate * max(overlap, 0.0)
-            b += 1
-    return [(i + 0.5) * bin_s for i in range(len(bins))], [v / bin_s for v in bins]
-
-
-def throughput_over_time(history: list[dict[str, str]], path: Path, samples: list[dict] | None = None) -> None:
-    """Completed requests/s with users (Locust's history), and output tokens/s as generated (from the samples;
-    without them, from completions: the e2e entry's cumulative count × mean tokens)."""
-    rows = _series(history, "e2e")
-    if len(rows) < 2:
-        return
-    t0 = _start(history)
-    times = [int(r["Timestamp"]) - t0 for r in rows]
-    counts = [float(r["Total Request Count"]) - float(r["Total Failure Count"]) for r in rows]
-    tok_times, tok_rates = generated_per_second(samples or [], t0)
-    token_label = "output tokens/s (as generated)"
-    if not tok_times:
-        tokens = [int(r["Total Request Count"]) * float(r["Total Average Content Size"]) for r in rows]
-        tok_times, tok_rates, token_label = times, _rates(times, tokens), "output tokens/s (at completion)"
+def throughput_over_time(samples: list[dict], history: list[dict[str, str]], path: Path) -> None:
+    """Requests/s completed (and failed) per bin with Locust's users, and output tokens/s as generated."""
+    run = run_window(history)
+    bins, fine = Bins(samples, run=run), Bins(samples, per_request=False, run=run)  # tokens are spread: finer bins
+    times, done, failed = requests_per_second(samples, bins)
+    tok_times, tokens = generated_per_second(samples, fine)
+    stopped = sum(1 for s in samples if s.get("stopped"))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    ax1.plot(times, _rates(times, counts), label="completed requests/s")
+    ax1.plot(times, done, marker=".", label="completed")
+    if any(failed):
+        ax1.plot(times, failed, marker=".", color="tab:red", label="failed")
     ax1.set_ylabel("requests/s")
-    users = ax1.twinx()
-    users.plot(times, [int(r["User Count"]) for r in rows], color="grey", linestyle="--", label="users")
-    users.set_ylabel("users")
-    users.set_ylim(bottom=0)
-    ax2.plot(tok_times, tok_rates, color="tab:green")
-    ax2.set_ylabel(token_label)
-    ax2.set_xlabel("seconds since start")
-    ax1.set_title("Throughput over time (requests: per-second completions)")
+    ax1.set_ylim(0, headroom(done + failed))
+    user_t, user_n = users_over_time(history, bins.t0)
+    if user_t:
+        users = ax1.twinx()
+        users.step(user_t, user_n, where="post", color="grey", linestyle="--", label="users")
+        users.set_ylabel("users (dashed)")
+        users.set_ylim(0, headroom(user_n))
+    ax1.legend(loc="upper left", fontsize=8)
+    ax2.plot(tok_times, tokens, marker=".", color="tab:green")
+    ax2.set_ylabel("output tokens/s")
+    ax2.set_ylim(0, headroom(tokens))
+    if not any(tokens):
+        ax2.text(0.5, 0.5, "no tokens generated", ha="center", va="center", transform=ax2.transAxes)
+    ax2.set_xlim(0, max(bins.edges[-1], fine.edges[-1]))
+    ax2.set_xlabel("seconds since the start")
+    note = f"; tokens of the {stopped} requests cut off at the stop included" if stopped else ""
+    ax2.set_title(f"tokens/s in {fine.bin_s:g} s bins, each request's spread from its first token to its last{note}",
+                  fontsize=9)
+    ax1.set_title(f"Throughput over time (requests/s: completions in each {bins.bin_s:g} s bin ÷ its length)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def _start(history: list[dict[str, str]]) -> int:
-    return min((int(r["Timestamp"]) for r in history), default=0)
-
-
-def latency_over_time(history: list[dict[str, str]], path: Path) -> None:
-    """p50 and p95 of Locust's recent window for each entry, one panel per entry (scales differ)."""
+def latency_over_time(samples: list[dict], history: list[dict[str, str]], path: Path) -> None:
+    """p50 and p95 of the requests measured in each bin, one panel per metric; a bin without any is a gap."""
+    bins = Bins(samples, run=run_window(history))
     fig, axes = plt.subplots(len(METRICS), 1, figsize=(9, 8), sharex=True)
-    t0 = _start(history)
     for ax, metric in zip(axes, METRICS):
-        # rows before the first completion carry placeholder zeros, not measurements
-        rows = [r for r in _series(history, metric.removesuffix("_ms")) if int(r["Total Request Count"]) > 0]
-        times = [int(r["Timestamp"]) - t0 for r in rows]
-        for column in ("50%", "95%"):
-            ax.plot(times, [to_float(r[column]) for r in rows], label=f"p{column[:-1]}")
+        data = latency_per_bin(samples, bins, metric)
+        for key in ("p50", "p95"):
+            ax.plot(data["t"], data[key], marker=".", label=key)  # markers: a bin between two gaps still shows
+        n, filled = sum(data["count"]), sum(1 for c in data["count"] if c)
         ax.set_ylabel(f"{metric.removesuffix('_ms')} (ms)")
-        ax.legend(loc="upper right")
-    axes[0].set_title("Latency over time (Locust's rolling window)")
-    axes[-1].set_xlabel("seconds since start")
+        ax.set_ylim(bottom=0)
+        ax.text(0.01, 0.95, f"{n} requests in {filled} of {len(bins)} bins", transform=ax.transAxes,
+                fontsize=8, va="top")
+        if n:
+            ax.legend(loc="upper right", fontsize=8)
+    axes[0].set_title(f"Latency over time (requests measured in each {bins.bin_s:g} s bin; gaps: none measured)")
+    axes[-1].set_xlabel("seconds since the start")
+    axes[-1].set_xlim(0, bins.edges[-1])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def latency_percentiles(summary: dict, path: Path) -> None:
-    """Bars of p50/p90/p95/p99 for TTFT, ITL and e2e, one panel each."""
+    """Bars of p50/p90/p95/p99 for TTFT, ITL and e2e, one panel each, with the number of samples behind them."""
     fig, axes = plt.subplots(1, len(METRICS), figsize=(12, 4))
     for ax, metric in zip(axes, METRICS):
-        dist = summary.get(metric) or {}
-        labels = [f"p{p}" for p in PERCENTILES]
-        values = [dist.get(label) or 0.0 for label in labels]
-        bars = ax.bar(labels, values, color="tab:blue")
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
-        ax.set_title(metric.removesuffix("_ms"))
+        labels, values, count = percentile_bars(summary, metric, PERCENTILES)
+        name = metric.removesuffix("_ms")
         ax.set_ylabel("ms")
+        if all(math.isnan(v) for v in values):
+            ax.set_title(f"{name} (no samples)")
+            ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        bars = ax.bar(labels, [0.0 if math.isnan(v) else v for v in values], color="tab:blue")
+        ax.bar_label(bars, labels=["-" if math.isnan(v) else f"{v:.1f}" for v in values], fontsize=8)
+        few = " — few: high percentiles ≈ max" if 0 < count < FEW_SAMPLES else ""
+        ax.set_title(f"{name} (n = {count}{few})", fontsize=10)
     fig.suptitle(f"Latency percentiles ({summary['requests']} requests, source: {summary['source']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -115,8 +108,11 @@ def latency_percentiles(summary: dict, path: Path) -> None:
 
 def write_all(history: list[dict[str, str]], summary: dict, out: Path, samples: list[dict] | None = None
               ) -> list[Path]:
-    paths = [out / "throughput.png", out / "latency_over_time.png", out / "latency_percentiles.png"]
-    throughput_over_time(history, paths[0], samples)
-    latency_over_time(history, paths[1])
-    latency_percentiles(summary, paths[2])
-    return [p for p in paths if p.exists()]
+    """The charts there is data for: the over-time ones need the samples file, the percentiles only the summary."""
+    paths = []
+    if samples:
+        throughput_over_time(samples, history, out / "throughput.png")
+        latency_over_time(samples, history, out / "latency_over_time.png")
+        paths += [out / "throughput.png", out / "latency_over_time.png"]
+    latency_percentiles(summary, out / "latency_percentiles.png")
+    return paths + [out / "latency_percentiles.png"]

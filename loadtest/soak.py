@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from client import Client
+from client.chat import CHATML
 from client.urls import grpc_target
 from loadtest.charts import write_all
 from loadtest.prompts import DEFAULT_PROMPTS
@@ -104,6 +105,9 @@ def locust_command(args: argparse.Namespace, out: Path) -> list[str]:
         "--protocol", "grpc", "--model", args.model, "--max-tokens", str(args.max_tokens), "--temperature", "0.7",
         "--prompts", args.prompts, "--samples-file", str(out / "samples.jsonl"),
         "--events-file", str(out / "events.jsonl"),
+        # ChatML, the default model's template without its system line: without it SmolLM2-Instruct mostly answers
+        # a raw prompt with EOS at once, and the soak would hardly decode
+        "--tokenizer", CHATML,
     ]
     return cmd + ([] if args.grpc_only else ["--http-host", args.http_host])
 
@@ -168,6 +172,7 @@ def soak(args: argparse.Namespace, stub_pids, server_pid: int | None) -> dict:
     sampler.stop()
     sampler.write_csv(args.out / "resources.csv")
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings["prompt_format"] = f"chat template ({CHATML})"
     normal = summarize(args.out / "locust", args.out / "samples.jsonl", settings)
     summary = {
         "settings": settings, "locust_exit_code": code, "locust_hung_at_stop": hung,
@@ -180,7 +185,7 @@ def soak(args: argparse.Namespace, stub_pids, server_pid: int | None) -> dict:
     summary["criteria"] = criteria(summary, args.max_rss_growth_pct, rss_optional)
     summary["passed"] = all(c["passed"] is not False for c in summary["criteria"].values())
     write_all(read_csv(args.out / "locust_stats_history.csv"), normal, args.out, read_samples(args.out / "samples.jsonl"))
-    rss_chart(sampler.samples, args.warmup, args.out / "rss.png")
+    rss_chart(sampler.samples, args.warmup, args.out / "rss.png", summary["rss"])
     return summary
 
 

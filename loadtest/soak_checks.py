@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 import threading
 import time
@@ -136,25 +137,32 @@ def criteria(summary: dict, max_rss_growth_pct: float, rss_optional: bool = Fals
     }
 
 
-def rss_chart(samples: list[Sample], warmup_s: float, path: Path) -> Path | None:
-    """Stub RSS and KV blocks in use over the run, with the end of warm-up marked."""
-    from loadtest.charts import plt  # the Agg backend, set up once there
+def rss_chart(samples: list[Sample], warmup_s: float, path: Path, growth: dict | None = None) -> Path | None:
+    """Stub RSS and KV blocks in use over the run, with the end of warm-up marked and the growth in the title."""
+    from loadtest.charts import headroom, plt  # the Agg backend, set up once there
 
     points = [(s.t, s.stub_rss_kb / 1024, s.kv_blocks_used) for s in samples if s.stub_rss_kb is not None]
     if len(points) < 2:
         return None
     t, mb, kv = zip(*points)
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.plot(t, mb, label="stub RSS (MiB)")
     ax.axvline(warmup_s, color="grey", linestyle=":", label="end of warm-up")
     ax.set_xlabel("seconds")
     ax.set_ylabel("MiB")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, headroom(mb))  # from 0: the growth figure in the title is the measure, not the slope
     kv_ax = ax.twinx()
-    kv_ax.plot(t, [k or 0 for k in kv], color="tab:orange", alpha=0.6, label="KV blocks used")
+    kv = [math.nan if k is None else k for k in kv]  # the metrics endpoint did not answer: a gap, not 0
+    kv_ax.plot(t, kv, color="tab:orange", alpha=0.6, label="KV blocks used")
     kv_ax.set_ylabel("KV blocks used")
-    fig.legend(loc="lower right")
-    fig.tight_layout()
+    kv_ax.set_ylim(0, headroom(kv))
+    title = "Python-backend stub RSS and KV blocks in use"
+    if growth and growth.get("measured"):
+        title += (f"\nRSS floor after warm-up {growth['after_warmup_mb']:.1f} MiB, at the end {growth['end_mb']:.1f}"
+                  f" MiB ({growth['growth_pct']:+.2f}%)")
+    ax.set_title(title, fontsize=10)
+    fig.legend(loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room for the legend under the axes
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -42,6 +42,16 @@ def test_cli_streams_an_answer(triton_server, protocol):
     assert result["finish_reason"] in ("length", "stop")
     plain = run_cli(PROMPT, *target, "--max-tokens", "8", "--temperature", "0")
     assert plain.returncode == 0 and plain.stdout.strip() == result["text"].strip()
+    if protocol == "http":  # the scheme alone picks HTTP; a bare host:port means gRPC
+        by_scheme = run_cli(PROMPT, "--url", f"http://{triton_server.http_url}", "--model", triton_server.model_name,
+                            "--max-tokens", "8", "--temperature", "0")
+        assert by_scheme.returncode == 0 and by_scheme.stdout == plain.stdout, by_scheme.stderr
+    else:  # gRPC to the HTTP port, the old trap: the message says what the port speaks
+        http = triton_server.http_url
+        wrong = run_cli(PROMPT, "--url", http, "--max-tokens", "2")
+        expected = (f"cannot reach Triton over gRPC at {http}: port {http.rsplit(':', 1)[1]} answers, but not in gRPC: "
+                    f"an HTTP port? for HTTP use http://{http}")
+        assert wrong.returncode == 3 and expected in wrong.stderr, wrong.stderr
 
 
 def test_sync_async_grpc_http_give_the_same_greedy_text(triton_server):
@@ -130,28 +140,40 @@ def short_prompts(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("protocol,duration", [("grpc", 10), ("http", 6)])
 def test_loadtest_runner_headless(triton_server, tmp_path, protocol, duration):
     out = tmp_path / "out"
+    # no --protocol: the host's form decides (host:port gRPC, http://host:port HTTP)
     host = url(triton_server, protocol) if protocol == "grpc" else f"http://{triton_server.http_url}"
+    # gRPC: the defaults (prompts in the default model's chat template, EOS honoured) must decode; HTTP: ignore_eos
+    # and ChatML, so every request decodes all its tokens
+    decoding = [] if protocol == "grpc" else ["--ignore-eos", "--tokenizer", "chatml"]
+    max_tokens = "16" if protocol == "grpc" else "8"  # 6 s of HTTP: short requests finish even on a busy CPU
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest.run", "--users", "4", "--spawn-rate", "4", "--duration", str(duration),
-         "--protocol", protocol, "--host", host, "--model", triton_server.model_name, "--max-tokens", "16",
-         # every request decodes its 16 tokens: raw prompts at temperature 0 often end after one, and a short run
-         # could then see no inter-token latency at all
-         "--ignore-eos",
+         "--host", host, "--model", triton_server.model_name, "--max-tokens", max_tokens, *decoding,
          "--prompts", str(short_prompts(tmp_path)), "--out", str(out), "--metrics-url", triton_server.metrics_url],
         cwd=REPO, capture_output=True, text=True, timeout=duration + 180)
     log = (out / "locust.log").read_text() if (out / "locust.log").exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + log
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["protocol"] == protocol and summary["locust_exit_code"] == 0
     assert summary["failures"]["count"] == 0 and summary["requests"] > 0
     assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["p50"] > 0 and summary["output_tokens_per_s"] > 0
+    d = summary["decoding"]
+    assert d["prompt_format"].startswith("chat template (") and d["ignore_eos"] == (protocol == "http")
+    # decoding, not prefill: most requests give an inter-token latency
+    assert d["requests_with_itl"] >= 0.8 * summary["requests"] and d["one_token_or_less"] <= 0.2 * summary["requests"]
+    assert "decoding: prompts chat template" in proc.stdout
     with (out / "locust_stats.csv").open() as f:
-        counts = {row["Name"]: int(row["Request Count"]) for row in csv.DictReader(f)}
+        rows = list(csv.DictReader(f))
+    counts = {row["Name"]: int(row["Request Count"]) for row in rows}
     assert counts.get("ttft", 0) > 0 and counts.get("itl", 0) > 0 and counts.get("e2e", 0) > 0
+    assert {row["Type"] for row in rows if row["Name"] == "e2e"} == {protocol}
     assert (out / "locust_stats_history.csv").exists()
     for png in ("throughput.png", "latency_over_time.png", "latency_percentiles.png"):
         assert (out / png).stat().st_size > 1000, png
     server = summary["server"]  # the server's own view of the same window (--metrics-url)
     assert server["samples"] >= 3 and "scrape_errors" not in server, server
-    # completed requests' tokens, plus any cut off when the test stopped
-    assert server["generated_tokens"] >= summary["requests"] * summary["output_tokens_mean"] - 0.5, server
+    # completed requests' tokens and those of requests cut off at the stop; the server may have made a few more
+    # that no client read before the stop
+    seen = summary["requests"] * summary["output_tokens_mean"] + summary["in_flight_at_stop"]["output_tokens"]
+    assert server["generated_tokens"] >= seen - 0.5, (server, summary["in_flight_at_stop"])
     assert 1 <= server["running"]["max"] <= 4 and server["preemptions"] == 0, server

@@ -289,20 +289,3 @@ def test_server_watch_averages_ratios_and_adds_counts_over_instances():
                (running, {"instance": "a"}, 3.0), (running, {"instance": "b"}, 5.0),
                (done, {"finish_reason": "stop"}, 2.0), (done, {"finish_reason": "length"}, 7.0)]
     assert combine(samples) == {kv: 0.5, running: 8.0, done: 9.0}
-
-
-def test_generated_tokens_are_spread_over_each_requests_generation_time():
-    from loadtest.charts import generated_per_second
-
-    samples = [
-        # first token at 1.0 s, end at 3.0 s: 100 tokens → 50 tok/s over bins 1 and 2
-        {"start": 100.5, "ttft_ms": 500.0, "e2e_ms": 2500.0, "output_tokens": 100},
-        # first token at 2.5 s, end at 3.5 s: 10 tokens → half in bin 2, half in bin 3
-        {"start": 102.0, "ttft_ms": 500.0, "e2e_ms": 1500.0, "output_tokens": 10},
-        {"start": 101.0, "error": "boom", "e2e_ms": 5.0},  # failures carry no tokens
-    ]
-    times, rates = generated_per_second(samples, t0=100.0)
-    assert times == [0.5, 1.5, 2.5, 3.5]
-    assert rates == pytest.approx([0.0, 50.0, 55.0, 5.0])
-    assert sum(rates) == pytest.approx(110.0)  # every token counted once
-    assert generated_per_second([], t0=0.0) == ([], [])

@@ -95,8 +95,20 @@ def test_loadtest_run_exits_2_before_locust_when_the_server_is_unreachable(tmp_p
 
     port = closed_port()
     assert main(["--host", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "out")]) == 2
-    assert f"cannot reach Triton over HTTP at 127.0.0.1:{port}: nothing listens on port {port}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"cannot reach Triton over HTTP at 127.0.0.1:{port}: nothing listens on port {port}" in err
     assert not (tmp_path / "out").exists()
     with pytest.raises(SystemExit) as exit_:
         main(["--host", "grpc://127.0.0.1:1", "--protocol", "http"])
     assert exit_.value.code == 2 and "protocol http contradicts the URL grpc://127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_backoff_doubles_to_its_cap_and_starts_over_after_a_success():
+    from loadtest.backoff import Backoff
+
+    backoff = Backoff(0.5, 5.0)
+    assert [backoff.failed() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    backoff.succeeded()
+    assert backoff.failed() == 0.5
+    with pytest.raises(ValueError, match="first_s"):
+        Backoff(0.0, 1.0)
