@@ -27,9 +27,9 @@ test-integration: venv
 	$(PY) -m pytest tests/integration -q
 
 # on a GPU machine, with that machine's own torch and triton: tests/gpu, tests/kernels compiled, and one short
-# benchmark of each model shape (scripts/test_gpu.sh). A change to code that runs only with CUDA lands after it passed.
+# benchmark of each model shape (scripts/gpu/test_gpu.sh). A change to code that runs only with CUDA lands after it passed.
 test-gpu:
-	bash scripts/test_gpu.sh
+	bash scripts/gpu/test_gpu.sh
 
 SERVE_ARGS ?=
 serve: venv

@@ -288,7 +288,7 @@ def _fmt(v):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sweep", action="store_true", help="also sweep decode launch configurations")
-    ap.add_argument("--linear", action="store_true", help="only the decode GEMMs: cuBLAS against triton_linear")
+    ap.add_argument("--linear", action="store_true", help="only the decode GEMMs: cuBLAS against ops/triton/linear.py")
     ap.add_argument("--shapes", default=None, help="--linear: comma-separated names of LINEAR_SHAPES (default all)")
     ap.add_argument("--rows", default="1,32,64", help="--linear: batch rows to time")
     ap.add_argument("--chain", type=int, default=1, help="--linear: calls back to back in one graph")

@@ -27,7 +27,7 @@ def make_requests(n: int, prompt_len: tuple[int, int], new_tokens: int, seed: in
 
 async def drive(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
     """One wave: every prompt streamed at once; per-request TTFT, ITL and tokens."""
-    from client import AsyncClient, GenerateRequest
+    from tandem_client import AsyncClient, GenerateRequest
 
     client = AsyncClient(url, protocol="grpc")
 

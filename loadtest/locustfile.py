@@ -23,10 +23,10 @@ import grpc.experimental.gevent as grpc_gevent
 from gevent import GreenletExit
 from locust import User, constant, events, task  # importing locust monkey-patches this process with gevent
 
-from client import Client, GenerateRequest, TandemConnectionError, TandemError
-from client.chat import ChatTemplate, load_template
-from client.collect import Collector
-from client.urls import resolve
+from tandem_client import Client, GenerateRequest, TandemConnectionError, TandemError
+from tandem_client.chat import ChatTemplate, load_template
+from tandem_client.collect import Collector
+from tandem_client.urls import resolve
 from loadtest.backoff import Backoff
 from loadtest.metrics import E2E, entries, failure_sample, sample, stopped_sample
 from loadtest.prompts import DEFAULT_PROMPTS, load_prompts

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.schema import Result
+from tandem_client.schema import Result
 
 TTFT, ITL, E2E = "ttft", "itl", "e2e"
 

@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from client import Client, GenerateRequest, TandemError
-from client.chat import load_template
-from client.urls import DEFAULT_URLS, resolve
+from tandem_client import Client, GenerateRequest, TandemError
+from tandem_client.chat import load_template
+from tandem_client.urls import DEFAULT_URLS, resolve
 from loadtest.charts import write_all
 from loadtest.prompts import DEFAULT_PROMPTS
 from loadtest.report import read_csv, read_samples, summarize, table

@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from client import Client
-from client.chat import CHATML
-from client.urls import grpc_target
+from tandem_client import Client
+from tandem_client.chat import CHATML
+from tandem_client.urls import grpc_target
 from loadtest.charts import write_all
 from loadtest.prompts import DEFAULT_PROMPTS
 from loadtest.report import read_csv, read_samples, summarize, table

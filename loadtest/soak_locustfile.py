@@ -22,7 +22,7 @@ import gevent
 import greenlet
 from locust import User, between, constant, events, task
 
-from client import Client, GenerateRequest, TandemConnectionError, TandemError
+from tandem_client import Client, GenerateRequest, TandemConnectionError, TandemError
 from loadtest import locustfile as base  # a module, not its classes: Locust would run every User in this namespace
 from loadtest.backoff import Backoff
 from loadtest.metrics import failure_sample

@@ -44,7 +44,7 @@ Tandem is serving model '{name}'.
        -d '{{"text_input": "The capital of France is", "parameters": {{"max_tokens": 32, "temperature": 0}}}}'
   curl -sN localhost:{http}/v2/models/{name}/generate_stream \\
        -d '{{"text_input": "Write a haiku about GPUs", "stream": true, "parameters": {{"max_tokens": 64}}}}'
-  python -m client "The capital of France is"
+  python -m tandem_client "The capital of France is"
 Ctrl-C stops the server.
 """
 

@@ -68,14 +68,14 @@ class Slot:
         self.compute_done = _Event(use_cuda)
         self.d2h_done = _Event(use_cuda)
         self.in_use = False  # a launched step's results are still unread
-        self._prefixes: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._leading: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def prefix(self, dst_name: str, src_name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def leading_views(self, dst_name: str, src_name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(dst[:n], src[:n]) of two of this slot's buffers, made once per length: views cost µs each step."""
         key = (dst_name, n)
-        pair = self._prefixes.get(key)
+        pair = self._leading.get(key)
         if pair is None:
-            pair = self._prefixes[key] = (getattr(self, dst_name)[:n], getattr(self, src_name)[:n])
+            pair = self._leading[key] = (getattr(self, dst_name)[:n], getattr(self, src_name)[:n])
         return pair
 
 
@@ -149,10 +149,10 @@ class Pipeline:
             # why: the previous step that used this slot must have finished reading its device inputs
             slot.compute_done.wait(self.h2d_stream)
             tl.gpu_begin("h2d", self.h2d_stream)
-            for dst, src in (slot.prefix("dev_i64", "host_i64", n_i64), slot.prefix("dev_i32", "host_i32", n_i32)):
+            for dst, src in (slot.leading_views("dev_i64", "host_i64", n_i64), slot.leading_views("dev_i32", "host_i32", n_i32)):
                 dst.copy_(src, non_blocking=True)
             if n_f32:  # 0: a plain-greedy graph step reads no sampling settings
-                dst, src = slot.prefix("dev_f32", "host_f32", n_f32)
+                dst, src = slot.leading_views("dev_f32", "host_f32", n_f32)
                 dst.copy_(src, non_blocking=True)
             tl.gpu_end("h2d", self.h2d_stream)
             # why: compute may start only once this step's inputs are on the device
@@ -171,7 +171,7 @@ class Pipeline:
             self._use(self.d2h_stream)
             slot.compute_done.wait(self.d2h_stream)
             tl.gpu_begin("d2h", self.d2h_stream)
-            dst, src = slot.prefix("host_tokens", "out_tokens", rows)
+            dst, src = slot.leading_views("host_tokens", "out_tokens", rows)
             dst.copy_(src, non_blocking=True)
             if read_logprobs:
                 slot.host_logprobs[:rows].copy_(slot.out_logprobs[:rows], non_blocking=True)

@@ -66,7 +66,7 @@ def get_ops(backend: str, linear_backend: str = "auto", dependent_launch: bool =
     measured faster than cuBLAS (triton_linear.H200_CONFIGS), "triton" for every batch of up to 64 rows, "cublas"
     never. The torch path always uses F.linear.
     dependent_launch, on the triton path: launch every Triton-language kernel as a programmatic dependent of the
-    kernel before it (triton_launch; compute capability 9.0 and later only)."""
+    kernel before it (ops/triton/launch.py; compute capability 9.0 and later only)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if linear_backend not in LINEAR_BACKENDS:

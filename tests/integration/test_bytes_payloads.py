@@ -115,8 +115,8 @@ def test_model_refuses_to_load_under_numpy2_instead_of_crashing_later(tmp_path, 
 # ---- the payloads, through the served model ------------------------------------------------------------
 def test_serve_bench_warmup_payloads(triton_server):
     """The exact requests that killed the stub: token-id prompts, 57-byte sampling_parameters, 4 streams."""
-    from client import AsyncClient, GenerateRequest
-    from client.request import tensors
+    from tandem_client import AsyncClient, GenerateRequest
+    from tandem_client.request import tensors
 
     prompts = make_requests(4, (16, 200), WARMUP_TOKENS, seed=32)  # serve_bench's generator, CPU-sized lengths
     reqs = [GenerateRequest(input_ids=p, max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True) for p in prompts]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from client import AsyncClient, Client, TandemError
+from tandem_client import AsyncClient, Client, TandemError
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ def url(server, protocol: str) -> str:
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "client", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tandem_client", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from client import AsyncClient, Client
+from tandem_client import AsyncClient, Client
 from loadtest.server_metrics import ServerMetrics
 
 pytestmark = pytest.mark.integration

@@ -256,7 +256,7 @@ def test_burst_beyond_the_queue_is_refused_with_unavailable(bounded_queue_server
 
 
 # ---- 5. security basics ----------------------------------------------------------------------------
-PRODUCT_DIRS = ("backend", "model_repository", "client", "loadtest", "scripts")
+PRODUCT_DIRS = ("backend", "bench", "model_repository", "client", "loadtest", "scripts")
 
 
 def _product_sources() -> list[Path]:

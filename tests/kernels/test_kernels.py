@@ -1,4 +1,4 @@
-"""Triton-language kernels (backend/ops/triton_*.py) against float64 references on random inputs.
+"""Triton-language kernels (backend/ops/triton/*.py) against float64 references on random inputs.
 
 Tolerances are norm-wise, ‖out − ref‖ / ‖ref‖:
 - fp32: 1e-4. The kernels compute in fp32 with IEEE dots (no tf32), so only summation order differs (~1e-6).

@@ -7,10 +7,10 @@ import socket
 
 import pytest
 
-from client import AsyncClient, Client, TandemConnectionError
-from client.cli import EXIT_UNREACHABLE, EXIT_USAGE, main
-from client.errors import unreachable_hint
-from client.urls import resolve
+from tandem_client import AsyncClient, Client, TandemConnectionError
+from tandem_client.cli import EXIT_UNREACHABLE, EXIT_USAGE, main
+from tandem_client.errors import unreachable_hint
+from tandem_client.urls import resolve
 
 
 @pytest.mark.parametrize("url,protocol,expected", [

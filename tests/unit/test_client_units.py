@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import GenerateRequest, TandemConnectionError, TandemError
-from client.collect import Collector
-from client.errors import from_grpc, from_http
-from client.request import http_body, sampling_parameters, tensors
-from client.response import chunk_from_grpc, chunk_from_json, error_message_from_body
-from client.schema import Chunk, Result
-from client.sse import SSEDecoder, iter_events
-from client.urls import grpc_target, http_base
+from tandem_client import GenerateRequest, TandemConnectionError, TandemError
+from tandem_client.collect import Collector
+from tandem_client.errors import from_grpc, from_http
+from tandem_client.request import http_body, sampling_parameters, tensors
+from tandem_client.response import chunk_from_grpc, chunk_from_json, error_message_from_body
+from tandem_client.schema import Chunk, Result
+from tandem_client.sse import SSEDecoder, iter_events
+from tandem_client.urls import grpc_target, http_base
 from loadtest.metrics import entries
 from loadtest.report import check_slos, from_locust_csv, from_samples, summarize, table
 
@@ -200,7 +200,7 @@ def test_summarize_reads_locust_csvs_and_samples(tmp_path):
 
 # --- chat and CLI ----------------------------------------------------------------------------------
 def test_chat_template_from_a_folder_and_the_fallback(tmp_path):
-    from client.chat import ChatTemplate, load_template
+    from tandem_client.chat import ChatTemplate, load_template
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
@@ -213,14 +213,14 @@ def test_chat_template_from_a_folder_and_the_fallback(tmp_path):
 
 
 def test_cli_without_a_server_says_how_to_start_one():
-    proc = subprocess.run([sys.executable, "-m", "client", "hi", "--url", "localhost:1"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tandem_client", "hi", "--url", "localhost:1"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3
     assert "cannot reach Triton over gRPC at localhost:1" in proc.stderr and "make serve" in proc.stderr
 
 
 def test_cli_rejects_bad_sampling_values_before_connecting():
-    proc = subprocess.run([sys.executable, "-m", "client", "hi", "--max-tokens", "0", "--url", "localhost:1"],
+    proc = subprocess.run([sys.executable, "-m", "tandem_client", "hi", "--max-tokens", "0", "--url", "localhost:1"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "max_tokens" in proc.stderr
 

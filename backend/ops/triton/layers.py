@@ -92,7 +92,7 @@ def add_rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: 
                  pdl: bool = False):
     """Fused residual add + RMSNorm: returns (rms_norm(x + residual), x + residual).
 
-    x may be a GEMM's unsummed split-K partials (PartialSums, from triton_linear's park): added up here first."""
+    x may be a GEMM's unsummed split-K partials (PartialSums, from the Triton GEMM's park): added up here first."""
     r2 = _rows(residual)
     if isinstance(x, PartialSums):
         if x.shape != r2.shape or x.dtype != residual.dtype:
@@ -250,7 +250,7 @@ def rope_write_kv(q: torch.Tensor | PartialSums, k: torch.Tensor | PartialSums, 
     """apply_rope on q and k, then k and v into the paged cache (2, NB, BS, Hkv, D) at slot_mapping: one launch.
 
     q (T, Hq, D), k and v (T, Hkv, D) may instead all be views of one split-K qkv GEMM's partials (PartialSums,
-    from triton_linear's park): added up here first. Returns the rotated q (T, Hq, D); the rotated k exists only
+    from the Triton GEMM's park): added up here first. Returns the rotated q (T, Hq, D); the rotated k exists only
     in the cache."""
     T, HQ, D = q.shape
     HK = k.shape[1]

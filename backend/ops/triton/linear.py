@@ -3,6 +3,10 @@
 A decode step multiplies a handful of token rows by every weight matrix once; the work is streaming W from
 memory. The kernel gives each program a slice of W's output rows and the whole K range, so no split-K partials
 and no second launch are needed; small slices make enough programs even for narrow matrices.
+
+Where K is long, the tuning tables may split it (split_k): the splits' fp32 partials are then either summed by the
+last split to finish (serial split-K, one launch), or "parked": left unsummed in a PartialSums for the next kernel
+(a norm or rotary kernel that reads the GEMM's output anyway and adds the partials as it loads them).
 """
 from __future__ import annotations
 
@@ -148,7 +152,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     out: a (rows, N) buffer with unit stride along N to write into (x 2-D), as torch_layers.linear takes.
     config None: the kernel's default shape (choose_config). tuned_linear uses the measured table instead.
-    pdl: launch as a programmatic dependent of the previous kernel (triton_launch).
+    pdl: launch as a programmatic dependent of the previous kernel (ops/triton/launch.py).
     park: a split-K launch without bias or out returns its partials unsummed (PartialSums), for a caller whose
     next kernel adds them (triton_layers.add_rms_norm); any other launch returns y as usual."""
     rows = _row_count(x)

@@ -8,10 +8,10 @@ from typing import Iterator
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from client.errors import TandemError, from_grpc
-from client.request import grpc_inputs
-from client.response import chunk_from_grpc, is_empty_grpc
-from client.schema import Chunk, GenerateRequest
+from tandem_client.errors import TandemError, from_grpc
+from tandem_client.request import grpc_inputs
+from tandem_client.response import chunk_from_grpc, is_empty_grpc
+from tandem_client.schema import Chunk, GenerateRequest
 
 READY_TIMEOUT_S = 5.0
 

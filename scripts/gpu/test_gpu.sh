@@ -5,7 +5,7 @@
 # (Llama-3-8B shape), each in sync and async mode. Uses the machine's own python3 (PY=... to choose another) and
 # its installed torch, triton and transformers; LOG_DIR (default out/test-gpu) keeps every log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
 LOG_DIR=${LOG_DIR:-out/test-gpu}
 mkdir -p "$LOG_DIR"

@@ -5,11 +5,11 @@ from typing import Iterator
 
 import requests
 
-from client.errors import TandemConnectionError, TandemError, connection_detail, from_http
-from client.request import http_body
-from client.response import chunk_from_json
-from client.schema import Chunk, GenerateRequest
-from client.sse import iter_events
+from tandem_client.errors import TandemConnectionError, TandemError, connection_detail, from_http
+from tandem_client.request import http_body
+from tandem_client.response import chunk_from_json
+from tandem_client.schema import Chunk, GenerateRequest
+from tandem_client.sse import iter_events
 
 READY_TIMEOUT_S = 5.0
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from client.schema import Chunk, Result
+from tandem_client.schema import Chunk, Result
 
 
 class Collector:

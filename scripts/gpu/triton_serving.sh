@@ -24,7 +24,7 @@ mkdir -p "$SITE" "$NUMPY1"
 tar xJf .whl/pytriton-trim.tar.xz -C "$SITE"
 "$PY" -m pip install -q --no-index --no-deps --target "$SITE" $(ls .whl/*.whl | grep -v '/numpy-') 2>&1 | tail -2
 "$PY" -m pip install -q --no-index --no-deps --target "$NUMPY1" .whl/numpy-*.whl 2>&1 | tail -2
-export PYTHONPATH="$SITE" TANDEM_SERVER_PYTHONPATH="$NUMPY1"
+export PYTHONPATH="$SITE:$PWD/client" TANDEM_SERVER_PYTHONPATH="$NUMPY1"  # client/: the tandem_client package, not installed here
 
 if [ -n "${TRITON_TESTS:-}" ]; then  # tests that start tritonserver themselves, e.g. tests/gpu/test_multi_gpu.py
   timeout "${T_TESTS:-300}" "$PY" -m pytest $TRITON_TESTS -q -s -p no:cacheprovider > "$OUT/triton_tests.log" 2>&1

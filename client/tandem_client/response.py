@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from client.errors import TandemError
-from client.schema import Chunk
+from tandem_client.errors import TandemError
+from tandem_client.schema import Chunk
 
 
 def _text(value: Any) -> str | None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from client.schema import GenerateRequest
+from tandem_client.schema import GenerateRequest
 
 
 def sampling_parameters(req: GenerateRequest) -> dict[str, Any]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import dataclasses
 from typing import AsyncIterator, Iterator
 
-from client.collect import Collector
-from client.schema import Chunk, GenerateRequest, Result
-from client.urls import resolve
+from tandem_client.collect import Collector
+from tandem_client.schema import Chunk, GenerateRequest, Result
+from tandem_client.urls import resolve
 
 
 def make_request(prompt: str | GenerateRequest, params: dict) -> GenerateRequest:
@@ -24,11 +24,11 @@ class Client:
         """protocol None: the URL's scheme decides (http:// → HTTP, grpc:// or host:port → gRPC)."""
         self.protocol, self.url = resolve(url, protocol)
         if self.protocol == "grpc":
-            from client.grpc_sync import GrpcStreamer
+            from tandem_client.grpc_sync import GrpcStreamer
 
             self._transport = GrpcStreamer(self.url, model, timeout)
         else:
-            from client.http_sync import HttpStreamer
+            from tandem_client.http_sync import HttpStreamer
 
             self._transport = HttpStreamer(self.url, model, timeout)
         self.model = model
@@ -67,11 +67,11 @@ class AsyncClient:
                  timeout: float | None = None):
         self.protocol, self.url = resolve(url, protocol)
         if self.protocol == "grpc":
-            from client.grpc_aio import AsyncGrpcStreamer
+            from tandem_client.grpc_aio import AsyncGrpcStreamer
 
             self._transport = AsyncGrpcStreamer(self.url, model, timeout)
         else:
-            from client.http_aio import AsyncHttpStreamer
+            from tandem_client.http_aio import AsyncHttpStreamer
 
             self._transport = AsyncHttpStreamer(self.url, model, timeout)
         self.model = model

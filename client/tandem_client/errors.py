@@ -1,7 +1,7 @@
 """Exceptions the client raises, and the mapping from transport errors to them."""
 from __future__ import annotations
 
-from client.urls import DEFAULT_PORTS, NAMES, host_port
+from tandem_client.urls import DEFAULT_PORTS, NAMES, host_port
 
 # HTTP status → Triton's status name, as Triton's HTTP frontend maps them (http_server.cc).
 _HTTP_TO_TRITON = {
@@ -96,7 +96,7 @@ def from_rpc_error(error, url: str) -> TandemError:
 
 def from_http(http_status: int, body: str) -> TandemError:
     """Map a non-2xx HTTP answer (Triton's body is {"error": msg}, plain or as one SSE event) to a TandemError."""
-    from client.response import error_message_from_body  # local: response.py imports this module
+    from tandem_client.response import error_message_from_body  # local: response.py imports this module
 
     message = error_message_from_body(body) or f"HTTP {http_status}"
     return TandemError(message, _HTTP_TO_TRITON.get(http_status, f"HTTP_{http_status}"), http_status)

@@ -1,4 +1,4 @@
-"""`python -m client "prompt"`: stream an answer from a Triton LLM model to the terminal."""
+"""`python -m tandem_client "prompt"`: stream an answer from a Triton LLM model to the terminal."""
 from __future__ import annotations
 
 import argparse
@@ -6,17 +6,17 @@ import json
 import sys
 import time
 
-from client.client import Client
-from client.collect import Collector
-from client.errors import TandemConnectionError, TandemError
-from client.schema import GenerateRequest
-from client.urls import DEFAULT_URLS, PROTOCOLS, resolve
+from tandem_client.client import Client
+from tandem_client.collect import Collector
+from tandem_client.errors import TandemConnectionError, TandemError
+from tandem_client.schema import GenerateRequest
+from tandem_client.urls import DEFAULT_URLS, PROTOCOLS, resolve
 
 EXIT_SERVER_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tandem_client", description=__doc__)
     p.add_argument("prompt", nargs="?", help="the prompt; '-' or nothing reads it from stdin")
     p.add_argument("--url", help="server address: http://host:port means HTTP, grpc://host:port or host:port gRPC "
                    f"(default: grpc {DEFAULT_URLS['grpc']}, http http://{DEFAULT_URLS['http']})")
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_request(args: argparse.Namespace, prompt: str) -> GenerateRequest:
     if args.chat:
-        from client.chat import load_template
+        from tandem_client.chat import load_template
 
         template, note = load_template(args.tokenizer)
         if note:
@@ -59,7 +59,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt not in (None, "-"):
         return args.prompt
     if sys.stdin.isatty():
-        raise SystemExit("error: give a prompt, e.g. python -m client \"The capital of France is\"")
+        raise SystemExit("error: give a prompt, e.g. python -m tandem_client \"The capital of France is\"")
     return sys.stdin.read()
 
 

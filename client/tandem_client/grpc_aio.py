@@ -7,10 +7,10 @@ from typing import AsyncIterator
 import grpc
 import tritonclient.grpc.aio as aioclient
 
-from client.errors import from_grpc, from_rpc_error
-from client.request import grpc_inputs
-from client.response import chunk_from_grpc
-from client.schema import Chunk, GenerateRequest
+from tandem_client.errors import from_grpc, from_rpc_error
+from tandem_client.request import grpc_inputs
+from tandem_client.response import chunk_from_grpc
+from tandem_client.schema import Chunk, GenerateRequest
 
 
 class AsyncGrpcStreamer:
