@@ -29,7 +29,7 @@ HIDDEN_FOR_NUMPY1 = hide_packages_needing_numpy2()  # before transformers is imp
 from backend import Engine, EngineConfig, EngineDead, EngineOverloaded  # noqa: E402
 from metrics import ServingMetrics  # noqa: E402
 from protocol import parse_request  # noqa: E402
-from sender import FINAL, ResponseLoop, Stream, error_response  # noqa: E402
+from sender import FINAL, ResponseLoop, ActiveRequest, error_response  # noqa: E402
 
 # config.pbtxt parameters that are not engine settings
 ADAPTER_SETTINGS = ("stats_interval_s", "log_prompts", "unload_on_engine_failure",
@@ -128,7 +128,7 @@ class TritonPythonModel:
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
         if self._log_prompts:
             pb_utils.Logger.log_info(f"tandem: request {request_id} prompt={req.prompt!r}")
-        self.loop.register(Stream(request_id, sender, req, self._prefix(req), time.monotonic()))
+        self.loop.register(ActiveRequest(request_id, sender, req, self._prefix(req), time.monotonic()))
         try:
             self.engine.add_request(req.prompt, req.params, request_id=request_id, sink=self.loop.queue,
                                     stream=req.stream)

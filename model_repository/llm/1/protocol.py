@@ -1,4 +1,4 @@
-"""Triton request tensors → a validated GenerateRequest; engine updates → response tensors (vLLM-backend names)."""
+"""Triton request tensors → a validated ParsedRequest; engine updates → response tensors (vLLM-backend names)."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ GetInput = Callable[[str], "np.ndarray | None"]
 
 
 @dataclass(slots=True)
-class GenerateRequest:
+class ParsedRequest:
     """One parsed generate request: the prompt, how to sample, and what to send back."""
 
     prompt: str | list[int]
@@ -38,7 +38,7 @@ class GenerateRequest:
     asked_logprobs: bool = False  # the sampling parameters asked for logprobs (else the logprobs output is null)
 
 
-def parse_request(get_input: GetInput, request_parameters: str | None) -> GenerateRequest:
+def parse_request(get_input: GetInput, request_parameters: str | None) -> ParsedRequest:
     """Raise ValueError naming the field at fault; `get_input(name)` returns the tensor as numpy or None."""
     prompt = _prompt(get_input)
     stream = _flag(get_input, "stream", False)
@@ -54,7 +54,7 @@ def parse_request(get_input: GetInput, request_parameters: str | None) -> Genera
     asked = params.logprobs is not None
     if flags["return_cumulative_logprob"] and not asked:
         params.logprobs = 0  # the sampled tokens' logprobs, for their sum
-    return GenerateRequest(prompt, params, bool(stream), prepend, asked_logprobs=asked, **flags)
+    return ParsedRequest(prompt, params, bool(stream), prepend, asked_logprobs=asked, **flags)
 
 
 def _prompt(get_input: GetInput) -> str | list[int]:
@@ -149,7 +149,7 @@ def _coerce(key: str, value: Any) -> Any:
     return value
 
 
-def response_arrays(req: GenerateRequest, outs: list[Any], prefix: str = "",
+def response_arrays(req: ParsedRequest, outs: list[Any], prefix: str = "",
                     decode_token: Callable[[int], str] = str, new: int | None = None) -> dict[str, np.ndarray]:
     """Tensors for one response, one entry per sample (n > 1: the sample's newest output in outs[i], or None): the
     delta of sample `new` when streaming (the other samples' entries empty), everything (after `prefix`) at the

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import triton_python_backend_utils as pb_utils
 
 from backend import coalesce_outputs
-from protocol import GenerateRequest, response_arrays
+from protocol import ParsedRequest, response_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_INTERVAL_S = 0.1  # is_cancelled() is an IPC round trip: sweep, don't ask per token
@@ -29,12 +29,12 @@ class _Failure:
 
 
 @dataclass(slots=True, eq=False)
-class Stream:
+class ActiveRequest:
     """Adapter-side state of one accepted request."""
 
     request_id: str
     sender: Any  # pb_utils response sender
-    req: GenerateRequest
+    req: ParsedRequest
     prefix: str  # prepended to a non-streaming text_output
     arrival: float
     first_token: float | None = None
@@ -70,7 +70,7 @@ class ResponseLoop:
         self._decode_token = functools.lru_cache(maxsize=1 << 16)(lambda token: engine.tokenizer.decode([token]))
         self._on_engine_dead = on_engine_dead  # called once, from this thread, when the engine stops by itself
         self._dead_reported = False
-        self._active: dict[str, Stream] = {}
+        self._active: dict[str, ActiveRequest] = {}
         self._thread = threading.Thread(target=self._run, name="tandem-sender", daemon=True)
         self._next_cancel_check = self._next_stats = 0.0
         self.closing = False  # set by finalize: the engine stops on purpose, its abort outputs answer everyone
@@ -78,10 +78,10 @@ class ResponseLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def register(self, stream: Stream) -> None:
+    def register(self, stream: ActiveRequest) -> None:
         self._active[stream.request_id] = stream
 
-    def claim(self, request_id: str) -> Stream | None:
+    def claim(self, request_id: str) -> ActiveRequest | None:
         """Take a request out of the loop; whoever claims it sends its final response (dict.pop is atomic)."""
         return self._active.pop(request_id, None)
 
@@ -157,12 +157,12 @@ class ResponseLoop:
             self._send(stream, pb_utils.InferenceResponse(output_tensors=tensors), 0)
 
     @staticmethod
-    def _worth_sending(req: GenerateRequest, out: Any) -> bool:
+    def _worth_sending(req: ParsedRequest, out: Any) -> bool:
         # A token whose text the detokenizer still holds back matters only to token-level clients.
         token_level = req.return_output_ids or req.return_num_output_tokens or req.return_logprobs
         return bool(out.delta_text) or (token_level and bool(out.delta_token_ids))
 
-    def _finish(self, stream: Stream, out: Any) -> None:
+    def _finish(self, stream: ActiveRequest, out: Any) -> None:
         """The request's one final response: for n > 1 after its last sample (or a failed one: the rest stop)."""
         if len(stream.latest) > 1 and out.finish_reason in ("error", "abort"):
             self._engine.abort(stream.request_id)
@@ -181,7 +181,7 @@ class ResponseLoop:
         generated = sum(len(sample.token_ids) for sample in stream.latest if sample is not None)
         self._metrics.request_finished(out.finish_reason, out.num_prompt_tokens, generated, len(stream.latest))
 
-    def _observe(self, stream: Stream, out: Any, now: float) -> None:
+    def _observe(self, stream: ActiveRequest, out: Any, now: float) -> None:
         n = len(out.delta_token_ids)
         if not n:
             return
@@ -197,7 +197,7 @@ class ResponseLoop:
             self._metrics.itl.observe((now - stream.last_token) / n, count=n)
         stream.last_token = now
 
-    def _send(self, stream: Stream, response: Any, flags: int) -> None:
+    def _send(self, stream: ActiveRequest, response: Any, flags: int) -> None:
         try:
             if response is None:
                 stream.sender.send(flags=flags)
