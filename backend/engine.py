@@ -233,8 +233,8 @@ class Engine:
                     if self._stopping:
                         break
                     try:
-                        self._step()
-                        self._consecutive_faults = 0
+                        if self._step():  # an idle tick proves nothing: only a step that did work clears faults
+                            self._consecutive_faults = 0
                     except Exception as exc:  # a failed step fails its requests, not the server
                         self._recover(exc)
                 self._drain_inflight()
@@ -246,7 +246,8 @@ class Engine:
             self.gate.disable()
             self._fail_all("engine shut down", reason=FINISH_ABORT)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Schedule, pack and launch the next step, and complete the one before; False when there was nothing."""
         tl = self.timeline
         with tl.cpu_span("schedule"):
             batch = self.scheduler.schedule()
@@ -271,6 +272,7 @@ class Engine:
             time.sleep(0.001)  # nothing could be scheduled (cannot happen with valid requests); don't spin
         tl.next_step()
         self._refresh_stats()
+        return batch is not None or prev is not None
 
     def _complete(self, st: StepState, next_state: StepState | None) -> None:
         self.gate.open()  # why: blocked on the GPU next, helper threads may have the GIL meanwhile

@@ -140,20 +140,33 @@ def _token_key(key: Any) -> int:
     raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
+def _short(value: Any) -> str:
+    """repr(value), cut to 60 characters (a 4,000-digit number is not worth echoing)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
 def _int(name: str, value: Any, low: int, high: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {_short(value)}")
     if value < low or (high is not None and value > high):
         rng = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {rng}, got {value}")
+        raise ValueError(f"{name} must be {rng}, got {_short(value)}")
 
 
 def _float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise ValueError(f"{name} must be a finite number, got {_short(value)}")
     if (value <= low if low_open else value < low) or value > high:
         rng = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise ValueError(f"{name} must be in {rng}, got {value}")
+        raise ValueError(f"{name} must be in {rng}, got {_short(value)}")
 
 
 class RequestStatus(enum.Enum):

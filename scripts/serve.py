@@ -8,8 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts.tritonserver_env import (REPO_ROOT, find_triton, make_model_repository, start_server, stop_server,
-                                     wait_until_ready)
+from scripts.tritonserver_env import (REPO_ROOT, find_triton, make_model_repository, request_drain, start_server,
+                                     stop_server, wait_until_ready)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     def forward(signum, _frame):
         signals.append(signum)
         try:
-            os.killpg(proc.pid, signal.SIGKILL) if len(signals) > 1 else proc.send_signal(signal.SIGTERM)
+            if len(signals) > 1:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                request_drain(proc)  # the model ends what still runs after its drain_timeout_s
+                proc.send_signal(signal.SIGTERM)
         except ProcessLookupError:
             pass
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -187,9 +188,14 @@ def start_server(
     log_path: str | Path | None = None,
     install: TritonInstall | None = None,
 ) -> subprocess.Popen:
-    """Start tritonserver in its own process group (so stop_server can end its stubs too)."""
+    """Start tritonserver in its own process group (so stop_server can end its stubs too). Its stubs watch
+    proc.drain_file (request_drain): once it exists they stop taking requests and end the ones still running after
+    the model's drain_timeout_s."""
     install = install or find_triton()
     env = server_env(install)
+    drain_file = Path(tempfile.gettempdir()) / f"tandem-drain-{os.getpid()}-{http_port}"
+    drain_file.unlink(missing_ok=True)
+    env[DRAIN_FILE_ENV] = str(drain_file)
     check_stub_numpy(install, env)  # fail here, not on the first request (see numpy_abi_problem)
     check_ports_free(http_port, grpc_port, metrics_port)
     cmd = [
@@ -204,10 +210,12 @@ def start_server(
     cmd += list(extra_args or [])
     out = open(log_path, "ab") if log_path else None
     try:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
         )
+        proc.drain_file = drain_file
+        return proc
     finally:
         if out:
             out.close()  # the child keeps its own descriptor
@@ -234,9 +242,18 @@ def wait_until_ready(
     raise RuntimeError(f"tritonserver was not ready within {timeout:.0f} s ({url})")
 
 
+def request_drain(proc: subprocess.Popen) -> None:
+    """Tell the server's stubs that a shutdown begins (see start_server), before Triton hears of it."""
+    drain_file = getattr(proc, "drain_file", None)
+    if drain_file is not None:
+        Path(drain_file).touch()
+
+
 def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int | None:
-    """SIGTERM (Triton unloads models and ends stubs), then SIGKILL the whole group if it hangs."""
+    """Drain, SIGTERM (Triton waits for the requests in flight, unloads models and ends stubs), then SIGKILL the
+    whole group if it hangs."""
     if proc.poll() is None:
+        request_drain(proc)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=timeout)
@@ -249,6 +266,10 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int | None:
     if proc.poll() is None:
         proc.wait(timeout=10)
     return proc.returncode
+
+
+# the stub reads this variable (model_repository/llm/1/lifecycle.py)
+DRAIN_FILE_ENV = "TANDEM_DRAIN_FILE"
 
 
 def stub_pids(marker: str) -> list[int]:

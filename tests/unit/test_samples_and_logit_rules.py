@@ -148,7 +148,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(engine, path):
 @pytest.mark.parametrize("values,message", [
     ({"n": 0}, "n must be in [1, 64]"), ({"n": 65}, "n must be in [1, 64]"),
     ({"logit_bias": {"x": 1.0}}, "logit_bias keys must be token ids"),
-    ({"logit_bias": {"3": "big"}}, "logit_bias[3] must be a number"),
+    ({"logit_bias": {"3": "big"}}, "logit_bias[3] must be a finite number"),
     ({"allowed_token_ids": [1, -2]}, "allowed_token_ids must be a list of non-negative integers"),
     ({"bad_words": [""]}, "bad_words must be a string or a list of non-empty strings"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be >= 1"),

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 
 
@@ -29,10 +30,13 @@ HIDDEN_FOR_NUMPY1 = hide_packages_needing_numpy2()  # before transformers is imp
 from backend import Engine, EngineConfig, EngineDead, EngineOverloaded  # noqa: E402
 from metrics import ServingMetrics  # noqa: E402
 from protocol import parse_request  # noqa: E402
-from sender import FINAL, ResponseLoop, ActiveRequest, error_response  # noqa: E402
+from lifecycle import LifeWatch  # noqa: E402
+from sender import FINAL, ActiveRequest, ResponseLoop, error_response  # noqa: E402
+
+DEFAULT_DRAIN_TIMEOUT_S = 25.0  # below Triton's default --exit-timeout-secs (30), so every stream ends before it
 
 # config.pbtxt parameters that are not engine settings
-ADAPTER_SETTINGS = ("stats_interval_s", "log_prompts", "unload_on_engine_failure",
+ADAPTER_SETTINGS = ("stats_interval_s", "log_prompts", "unload_on_engine_failure", "drain_timeout_s",
                     # the vLLM backend's names, for configs written for it: its vllm:* metric series, and its health
                     # check (an engine that stopped answers UNAVAILABLE and the model unloads: unload_on_engine_failure)
                     "REPORT_CUSTOM_METRICS", "ENABLE_VLLM_HEALTH_CHECK")
@@ -94,6 +98,10 @@ class TritonPythonModel:
         self.loop = ResponseLoop(self.engine, metrics, float(adapter.get("stats_interval_s", "0.5")),
                                  on_engine_dead=self._engine_dead)
         self.loop.start()
+        self._drain_timeout_s = _seconds(adapter.get("drain_timeout_s"), DEFAULT_DRAIN_TIMEOUT_S, "drain_timeout_s")
+        self._draining = False
+        self._watch = LifeWatch(on_orphaned=self._orphaned, on_drain=self._drain)
+        self._watch.start()
         if HIDDEN_FOR_NUMPY1:
             pb_utils.Logger.log_info(f"tandem: numpy {np.__version__}: hid packages that need NumPy 2: "
                                      f"{', '.join(HIDDEN_FOR_NUMPY1)}")
@@ -109,26 +117,39 @@ class TritonPythonModel:
         return None  # decoupled: every answer goes through the request's response sender
 
     def _accept_safely(self, request) -> None:
+        """Accept one request; whatever goes wrong, it gets exactly one final response."""
+        answer = _Answer()
         try:
-            self._accept(request)
-        except Exception as err:  # e.g. the client left before its error reply: never fail the batch
-            pb_utils.Logger.log_warn(f"tandem: could not answer a request: {err!r}")
+            self._accept(request, answer)
+        except Exception as err:  # never fail the batch; and never leave the request unanswered
+            pb_utils.Logger.log_error(f"tandem: accepting a request failed: {err!r}")
+            if answer.sender is not None and not answer.done:
+                try:
+                    answer.sender.send(error_response(f"internal error: {err!r}", pb_utils.TritonError.INTERNAL),
+                                       flags=FINAL)
+                except Exception as send_err:  # e.g. the client left before its error reply
+                    pb_utils.Logger.log_warn(f"tandem: could not answer a request: {send_err!r}")
 
-    def _accept(self, request) -> None:
-        sender = request.get_response_sender()
-        if self._closing or not self.engine.healthy:
-            msg = "the model is unloading" if self._closing else "the engine is not healthy; see the server log"
+    def _accept(self, request, answer: "_Answer") -> None:
+        answer.sender = sender = request.get_response_sender()
+        if self._closing or self._draining or not self.engine.healthy:
+            msg = ("the model is unloading" if self._closing else "the server is shutting down; retry on another replica"
+                   if self._draining else "the engine is not healthy; see the server log")
+            answer.done = True
             sender.send(error_response(msg, pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
             return
         try:
             req = parse_request(lambda name: _input(request, name), request.parameters())
         except ValueError as err:
+            answer.done = True
             sender.send(error_response(str(err), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
             return
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
         if self._log_prompts:
             pb_utils.Logger.log_info(f"tandem: request {request_id} prompt={req.prompt!r}")
-        self.loop.register(ActiveRequest(request_id, sender, req, self._prefix(req), time.monotonic()))
+        active = ActiveRequest(request_id, sender, req, self._prefix(req), time.monotonic())
+        self.loop.register(active)
+        answer.done = True  # from here on the sender thread owns the request's final response
         try:
             self.engine.add_request(req.prompt, req.params, request_id=request_id, sink=self.loop.queue,
                                     stream=req.stream)
@@ -174,7 +195,32 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"tandem: could not unload {self._model_name!r} ({err}); it stays loaded and "
                                      "answers UNAVAILABLE until reloaded or restarted")
 
+    def _drain(self) -> None:
+        """The launcher is stopping the server (lifecycle.py): take no new requests; streams still running after
+        drain_timeout_s get their final response then, before Triton's exit timeout would cut them."""
+        self._draining = True
+        pb_utils.Logger.log_info(f"tandem: shutting down: draining, at most {self._drain_timeout_s:g} s")
+        timer = threading.Timer(self._drain_timeout_s, self._end_drain)
+        timer.daemon = True
+        timer.start()
+
+    def _end_drain(self) -> None:
+        loop = self.loop
+        if loop is not None:
+            left = loop.abort_all("the server is shutting down: the request was stopped (finish_reason abort) "
+                                  f"after the {self._drain_timeout_s:g} s drain; retry on another replica")
+            pb_utils.Logger.log_info(f"tandem: drain time over: {left} request(s) stopped")
+
+    def _orphaned(self) -> None:
+        """tritonserver is gone (lifecycle.py): nobody can receive an answer; free the device and exit now."""
+        pb_utils.Logger.log_error("tandem: tritonserver is gone; stopping the engine and exiting")
+        try:
+            self.engine.shutdown(timeout=5.0)
+        finally:
+            os._exit(1)
+
     def finalize(self) -> None:
+        self._watch.stop()
         self._closing = self.loop.closing = True
         gc_figures = {k: v for k, v in self.engine.stats().items() if k.startswith("gc_")}
         pb_utils.Logger.log_info(f"tandem: garbage collector since start: {gc_figures}")
@@ -185,6 +231,28 @@ class TritonPythonModel:
         # while the stub is still whole
         self.loop = self.engine = None
         gc.collect()
+
+
+class _Answer:
+    """Whether an incoming request's one final response has been sent, or handed to the sender thread."""
+
+    __slots__ = ("sender", "done")
+
+    def __init__(self) -> None:
+        self.sender = None
+        self.done = False
+
+
+def _seconds(text: str | None, default: float, name: str) -> float:
+    if text is None or not text.strip():
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"config.pbtxt parameters: {name} must be a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise ValueError(f"config.pbtxt parameters: {name} must be >= 0, got {text!r}")
+    return value
 
 
 def _truthy(text: str) -> bool:

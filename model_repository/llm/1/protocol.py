@@ -40,6 +40,13 @@ class ParsedRequest:
 
 def parse_request(get_input: GetInput, request_parameters: str | None) -> ParsedRequest:
     """Raise ValueError naming the field at fault; `get_input(name)` returns the tensor as numpy or None."""
+    try:
+        return _parse(get_input, request_parameters)
+    except (TypeError, OverflowError, RecursionError) as err:  # a value of the wrong kind or size, deep inside
+        raise ValueError(f"malformed request: {err}") from None
+
+
+def _parse(get_input: GetInput, request_parameters: str | None) -> ParsedRequest:
     prompt = _prompt(get_input)
     stream = _flag(get_input, "stream", False)
     exclude = _flag(get_input, "exclude_input_in_output", None)
@@ -99,8 +106,13 @@ def _sampling_tensor(get_input: GetInput) -> dict[str, Any]:
     flat = np.asarray(tensor, dtype=object).reshape(-1)
     if flat.size != 1:
         raise ValueError("sampling_parameters must be one JSON string")
-    raw = flat[0].decode("utf-8", errors="replace") if isinstance(flat[0], bytes) else str(flat[0])
-    return _json_object(raw, "sampling_parameters")
+    raw = flat[0]
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("sampling_parameters must be UTF-8 text (a JSON object)") from None
+    return _json_object(str(raw), "sampling_parameters")
 
 
 def _json_object(raw: str | None, name: str) -> dict[str, Any]:
@@ -110,6 +122,10 @@ def _json_object(raw: str | None, name: str) -> dict[str, Any]:
         value = json.loads(raw)
     except json.JSONDecodeError as err:
         raise ValueError(f"{name}: malformed JSON ({err.msg} at position {err.pos})") from None
+    except RecursionError:
+        raise ValueError(f"{name}: JSON nested too deeply; send a flat object of sampling settings") from None
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        raise ValueError(f"{name}: a value is out of range ({err})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
     return value
@@ -150,12 +166,14 @@ def _coerce(key: str, value: Any) -> Any:
 
 
 def response_arrays(req: ParsedRequest, outs: list[Any], prefix: str = "",
-                    decode_token: Callable[[int], str] = str, new: int | None = None) -> dict[str, np.ndarray]:
+                    decode_token: Callable[[int], str] = str, new: int | None = None,
+                    cumulative: list[float] | None = None) -> dict[str, np.ndarray]:
     """Tensors for one response, one entry per sample (n > 1: the sample's newest output in outs[i], or None): the
     delta of sample `new` when streaming (the other samples' entries empty), everything (after `prefix`) at the
     end otherwise.
 
-    decode_token: a token id's text, for the logprobs output's decoded_token."""
+    decode_token: a token id's text, for the logprobs output's decoded_token; cumulative: each sample's logprob sum
+    so far when the caller keeps it (else it is summed here)."""
     texts, id_lists, logprob_lists, reasons, totals = [], [], [], [], []
     for i, out in enumerate(outs):
         if out is None or (req.stream and i != new):  # streaming: nothing new for this sample
@@ -167,7 +185,8 @@ def response_arrays(req: ParsedRequest, outs: list[Any], prefix: str = "",
             texts.append(prefix + out.text), id_lists.append(out.token_ids), logprob_lists.append(out.logprobs or [])
         # "None" until the sample's last response, as the vLLM backend sends str(None)
         reasons.append(out.finish_reason if out is not None and out.finished and out.finish_reason else "None")
-        totals.append(sum(entry["logprob"] for entry in out.logprobs or ()) if out is not None else 0.0)
+        if req.return_cumulative_logprob and cumulative is None:
+            totals.append(sum(entry["logprob"] for entry in out.logprobs or ()) if out is not None else 0.0)
     arrays = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
     if req.return_finish_reason:
         arrays["finish_reason"] = np.array([r.encode() for r in reasons], dtype=np.object_)
@@ -178,7 +197,7 @@ def response_arrays(req: ParsedRequest, outs: list[Any], prefix: str = "",
     if req.return_num_output_tokens:
         arrays["num_output_tokens"] = np.array([len(ids) for ids in id_lists], dtype=np.uint32)
     if req.return_cumulative_logprob:  # the sum over every output token so far, also when streaming
-        arrays["cumulative_logprob"] = np.array(totals, dtype=np.float32)
+        arrays["cumulative_logprob"] = np.array(cumulative if cumulative is not None else totals, dtype=np.float32)
     if req.return_output_ids:
         if len(outs) == 1:
             arrays["output_ids"] = np.asarray(id_lists[0], dtype=np.int64).reshape(-1)

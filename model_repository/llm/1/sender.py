@@ -43,9 +43,22 @@ class ActiveRequest:
     # each sample's newest output (n > 1: a response carries one entry per sample), and how many have finished
     latest: list[Any] = field(default_factory=list)
     num_finished: int = 0
+    # running sums of each sample's output logprobs, and how many entries they cover (kept, not re-added each time)
+    logprob_sums: list[float] = field(default_factory=list)
+    logprobs_summed: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.latest = [None] * self.req.params.n
+        n = self.req.params.n
+        self.latest, self.logprob_sums, self.logprobs_summed = [None] * n, [0.0] * n, [0] * n
+
+    def cumulative_logprobs(self) -> list[float]:
+        """Each sample's sum of output logprobs so far (cumulative_logprob)."""
+        for i, out in enumerate(self.latest):
+            entries = out.logprobs if out is not None and out.logprobs else ()
+            for entry in entries[self.logprobs_summed[i]:]:
+                self.logprob_sums[i] += entry["logprob"]
+            self.logprobs_summed[i] = max(self.logprobs_summed[i], len(entries))
+        return self.logprob_sums
 
     def take(self, out: Any) -> bool:
         """Keep a sample's newest output; True once the request is over (every sample finished, or one failed)."""
@@ -74,6 +87,7 @@ class ResponseLoop:
         self._thread = threading.Thread(target=self._run, name="tandem-sender", daemon=True)
         self._next_cancel_check = self._next_stats = 0.0
         self.closing = False  # set by finalize: the engine stops on purpose, its abort outputs answer everyone
+        self._abort_message: str | None = None  # set by abort_all: what the aborted requests' final responses say
 
     def start(self) -> None:
         self._thread.start()
@@ -84,6 +98,14 @@ class ResponseLoop:
     def claim(self, request_id: str) -> ActiveRequest | None:
         """Take a request out of the loop; whoever claims it sends its final response (dict.pop is atomic)."""
         return self._active.pop(request_id, None)
+
+    def abort_all(self, message: str) -> int:
+        """Stop every request in flight (any thread); their final responses say `message`. Returns how many."""
+        self._abort_message = message
+        ids = list(self._active)
+        for request_id in ids:
+            self._engine.abort(request_id)
+        return len(ids)
 
     def fail(self, request_id: str, message: str, code: Any) -> None:
         """Answer a registered request with an error, from the sender thread (any thread may call this)."""
@@ -152,9 +174,14 @@ class ResponseLoop:
                 self._finish(stream, out)
         elif (stream.req.stream and not stream.cancelled
               and (self._worth_sending(stream.req, out) or out.finished)):  # a sample's end: its finish_reason
-            arrays = response_arrays(stream.req, stream.latest, "", self._decode_token, new=out.index)
+            arrays = response_arrays(stream.req, stream.latest, "", self._decode_token, new=out.index,
+                                     cumulative=self._cumulative(stream))
             tensors = [pb_utils.Tensor(k, v) for k, v in arrays.items()]
             self._send(stream, pb_utils.InferenceResponse(output_tensors=tensors), 0)
+
+    @staticmethod
+    def _cumulative(stream: ActiveRequest) -> list[float] | None:
+        return stream.cumulative_logprobs() if stream.req.return_cumulative_logprob else None
 
     @staticmethod
     def _worth_sending(req: ParsedRequest, out: Any) -> bool:
@@ -171,10 +198,12 @@ class ResponseLoop:
         elif out.finish_reason == "error":
             response = error_response(f"engine error: {out.error or 'unknown'}", pb_utils.TritonError.INTERNAL)
         elif out.finish_reason == "abort":
-            msg = f"request aborted after {len(out.token_ids)} tokens: the model is unloading or the engine stopped"
+            msg = (self._abort_message
+                   or f"request aborted after {len(out.token_ids)} tokens: the model is unloading or the engine stopped")
             response = error_response(msg, pb_utils.TritonError.UNAVAILABLE)
         else:
-            arrays = response_arrays(stream.req, stream.latest, stream.prefix, self._decode_token, new=out.index)
+            arrays = response_arrays(stream.req, stream.latest, stream.prefix, self._decode_token, new=out.index,
+                                     cumulative=self._cumulative(stream))
             response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
         self._send(stream, response, FINAL)
         self._metrics.e2e.observe(time.monotonic() - stream.arrival)
