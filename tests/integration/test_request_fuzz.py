@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from scripts.tritonserver_env import stop_server
 from tests.integration.conftest import CPU_PARAMETERS, close_server, launch_server
 from tests.integration.test_triton_serving import GrpcStream, scrape, wait_for
-from tests.unit.test_request_parser_fuzz import FLAG, RAW_SAMPLING, SAMPLING
+from tests.request_strategies import FLAG, RAW_SAMPLING, SAMPLING
 
 pytestmark = pytest.mark.integration
 
@@ -48,6 +48,25 @@ def _tensor(name: str, array: np.ndarray, dtype: str):
     t = grpcclient.InferInput(name, list(array.shape), dtype)
     t.set_data_from_numpy(array)
     return t
+
+
+@pytest.mark.parametrize("raw, message", [
+    ('{"stop": ' + "[" * 1000 + "]" * 1000 + "}", "sampling_parameters: JSON nested too deeply"),
+    ('{"seed": 1' + "0" * 5000 + "}", "sampling_parameters: a value is out of range"),
+    ('{"temperature": 1' + "0" * 400 + "}", "temperature must be a finite number"),
+    (b'{"stop": "\xff\xfe"}', "sampling_parameters must be UTF-8 text"),
+], ids=["nested-1000", "5000-digits", "beyond-float", "bad-utf8"])
+def test_named_cases_are_invalid_arg_with_a_message(server, raw, message):
+    raw = raw if isinstance(raw, bytes) else raw.encode()
+    grpc = GrpcStream(server)
+    try:
+        grpc.send("case", [_tensor("text_input", np.array([b"Hi"], dtype=np.object_), "BYTES"),
+                           _tensor("sampling_parameters", np.array([raw], dtype=np.object_), "BYTES")])
+        got = grpc.wait_all(timeout=30)["case"]
+    finally:
+        grpc.close()
+    assert got.finals == 1 and len(got.errors) == 1
+    assert got.errors[0].status() == "StatusCode.INVALID_ARGUMENT" and message in got.errors[0].message()
 
 
 def test_every_fuzzed_request_gets_one_final_response(server):

@@ -76,9 +76,12 @@ def test_step_fault_fails_inflight_requests_then_engine_recovers(faulty_server):
 
 
 # ---- 3. a dead engine: every step raises, 3 faults in a row stop it ---------------------------------
-def _kill_engine(server) -> None:
-    """Three requests, one after the other, each failed by its first step: the engine gives up."""
+def _kill_engine(server, pause_s: float = 0.0) -> None:
+    """Three requests, one after the other, each failed by its first step: the engine gives up. pause_s between
+    them: longer than the loop's idle tick (0.5 s), whose wake-ups must not clear the fault count."""
     for i in range(3):
+        if i:
+            time.sleep(pause_s)
         got = one_grpc(server, f"Attempt {i}", SHORT)
         assert got.finals == 1 and len(got.errors) == 1, got.errors
         message = got.errors[0].message()
@@ -101,7 +104,7 @@ def dying_server(request, tmp_path_factory):
 def test_dead_engine_answers_unavailable_when_it_stays_loaded(dying_server):
     """unload_on_engine_failure false (or model control none/poll): loaded, ready 200, every request UNAVAILABLE."""
     server = dying_server
-    _kill_engine(server)
+    _kill_engine(server, pause_s=0.8)  # faults slower than the idle tick still add up
     got = one_grpc(server, "Hello", SHORT)
     assert len(got.errors) == 1 and "engine is not healthy" in got.errors[0].message()
     r = http_generate(server, {"text_input": "Hello", "parameters": SHORT})
