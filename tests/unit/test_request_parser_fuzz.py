@@ -15,6 +15,7 @@ from tests.request_strategies import FLAG, PROMPT, RAW_SAMPLING, SAMPLING, neste
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "model_repository" / "llm" / "1"))
 from protocol import ParsedRequest, parse_request  # noqa: E402
 
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=PROMPT, raw=st.none() | RAW_SAMPLING, stream=FLAG, exclude=FLAG, logprobs_flag=FLAG,
        http_parameters=st.none() | SAMPLING.map(json.dumps) | st.text(max_size=20))
