@@ -113,23 +113,16 @@ class ModelRunner:
 
     # ---- launch (queues GPU work) -----------------------------------------------------------------
     def launch(self, st: StepState, prev: StepState | None) -> None:
+        """Queue the step's device work: a decode graph where one fits, else the eager forward; then logit edits and
+        the sampler unless every row is plain greedy (the graph's argmax is then the token)."""
         batch, slot = st.batch, st.slot
         B, T = len(batch), batch.num_tokens
-        bucket = None
-        if self.graphs is not None and batch.is_decode_only and len(st.sampled) == B:
-            bucket = self.graphs.bucket_for(B)
-        if bucket is not None and bucket > B:
-            self.packer.pad_decode(slot, B, bucket)
+        bucket = self._graph_bucket(st)
         rows = bucket or len(st.sampled)
         max_len = st.max_len
         width = max(1, -(-max_len // self.block_size))  # block-table columns that hold context
         n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
-        steady, first = batch.steady, batch.num_steady_rows
-        if steady is not None:
-            plain_greedy = steady.all_plain_greedy and all(r.plain_greedy for r in st.sampled[first:])
-        else:
-            plain_greedy = all(r.plain_greedy for r in st.sampled)
-        if bucket is not None and plain_greedy:
+        if bucket is not None and self._all_plain_greedy(st):
             # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare
             def replay_only() -> int:
                 self.graphs.replay(slot, bucket, width, max_len)
@@ -143,15 +136,14 @@ class ModelRunner:
             rows = len(st.sampled)
             sampling = self.packer.sampling_rows(st, rows)
         edits = logit_edits(st.sampled, self.device)
-        prev_slot = self.pipeline.other(slot)
-        has_carry = prev is not None and bool(prev.row_of)
+        prev_slot = self.pipeline.other(slot) if prev is not None and prev.row_of else None
 
         def compute() -> int:
             if bucket is not None:
                 logits = self.graphs.replay(slot, bucket, width, max_len)  # carry-over + forward + logits
             else:
-                logits = self._eager_forward(slot, B, T, width, max_len, max(batch.num_new_tokens),
-                                             prev_slot if has_carry else None, len(st.sampled))
+                logits = self._eager_forward(slot, B, T, width, max_len, max(batch.num_new_tokens), prev_slot,
+                                             len(st.sampled))
             if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
                 return 0
             if bucket is not None and edits is None and sampling.all_greedy and sampling.num_logprobs < 0:
@@ -160,19 +152,42 @@ class ModelRunner:
                 edits.apply(logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:len(st.sampled)]])
             if sampling.any_penalty:
                 self._append_input_tokens(slot, sampling, len(st.sampled))
-            out = self.sampler(logits[:rows], sampling)
-            slot.out_tokens[:rows].copy_(out.token_ids)
-            if out.logprobs is not None:
-                slot.out_logprobs[:rows].copy_(out.logprobs)
-                slot.out_ranks[:rows].copy_(out.ranks)
-            if out.top_ids is not None:
-                k = out.top_ids.shape[1]
-                slot.out_top_ids[:rows, :k].copy_(out.top_ids)
-                slot.out_top_logprobs[:rows, :k].copy_(out.top_logprobs)
+            self._write_samples(slot, self.sampler(logits[:rows], sampling), rows)
             return rows
 
         self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, slot.host_f32.numel(), compute,
                              st.read_logprobs)
+
+    def _graph_bucket(self, st: StepState) -> int | None:
+        """The decode graph's batch bucket for a decode-only step that samples every row (padding rows packed into
+        the null block up to it); None: the step runs eagerly."""
+        batch = st.batch
+        if self.graphs is None or not batch.is_decode_only or len(st.sampled) != len(batch):
+            return None
+        bucket = self.graphs.bucket_for(len(batch))
+        if bucket is not None and bucket > len(batch):
+            self.packer.pad_decode(st.slot, len(batch), bucket)
+        return bucket
+
+    @staticmethod
+    def _all_plain_greedy(st: StepState) -> bool:
+        steady, first = st.batch.steady, st.batch.num_steady_rows
+        if steady is not None:  # the steady rows' flag is kept; the joiners are few
+            return steady.all_plain_greedy and all(r.plain_greedy for r in st.sampled[first:])
+        return all(r.plain_greedy for r in st.sampled)
+
+    @staticmethod
+    def _write_samples(slot: Slot, out, rows: int) -> None:
+        """The sampler's tokens (and logprobs, ranks, top-n) into the slot's output buffers, read back after the
+        step's device-to-host copy."""
+        slot.out_tokens[:rows].copy_(out.token_ids)
+        if out.logprobs is not None:
+            slot.out_logprobs[:rows].copy_(out.logprobs)
+            slot.out_ranks[:rows].copy_(out.ranks)
+        if out.top_ids is not None:
+            k = out.top_ids.shape[1]
+            slot.out_top_ids[:rows, :k].copy_(out.top_ids)
+            slot.out_top_logprobs[:rows, :k].copy_(out.top_logprobs)
 
     def carry_over(self, slot: Slot, prev_slot: Slot | None, num_tokens: int) -> torch.Tensor:
         """Input ids with placeholders replaced by the previous step's sampled tokens (on the device)."""
