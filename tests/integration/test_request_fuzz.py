@@ -1,5 +1,6 @@
 """Fuzzing the adapter's accept path through a real tritonserver: generated tensors and JSON (deep nesting, huge
-numbers, bad UTF-8, wrong types) each get exactly one final response, INVALID_ARG when the request is at fault;
+numbers, bad UTF-8, wrong types) each get exactly one final response, INVALID_ARG when the request is at fault
+(a gRPC stream carries only the error's message: the adapter's INTERNAL messages are told apart by their start);
 afterwards no request is running, no KV block is held, and SIGTERM stops the server at once with exit 0."""
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def _short(sampling: dict) -> bytes:
     return json.dumps(sampling, allow_nan=True).encode()
 
 
+def _internal(message: str) -> bool:
+    """Whether an error message is one of the adapter's INTERNAL answers (a fault of ours, not of the request)."""
+    return message.startswith(("internal error", "could not start the request", "engine error"))
+
+
 def _tensor(name: str, array: np.ndarray, dtype: str):
     t = grpcclient.InferInput(name, list(array.shape), dtype)
     t.set_data_from_numpy(array)
@@ -66,7 +72,7 @@ def test_named_cases_are_invalid_arg_with_a_message(server, raw, message):
     finally:
         grpc.close()
     assert got.finals == 1 and len(got.errors) == 1
-    assert got.errors[0].status() == "StatusCode.INVALID_ARGUMENT" and message in got.errors[0].message()
+    assert message in got.errors[0].message()
 
 
 def test_every_fuzzed_request_gets_one_final_response(server):
@@ -92,8 +98,8 @@ def test_every_fuzzed_request_gets_one_final_response(server):
         finally:
             grpc.close()
         assert got.finals == 1, (prompt, raw)
-        for error in got.errors:
-            assert error.status() == "StatusCode.INVALID_ARGUMENT", (str(error), prompt, raw)
+        for error in got.errors:  # a gRPC stream carries the message, not the code: ours say which it was
+            assert not _internal(error.message()), (error.message(), prompt, raw)
         kind = "error" if got.errors else "answered"
         outcomes[kind] = outcomes.get(kind, 0) + 1
 

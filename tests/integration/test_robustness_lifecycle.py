@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -41,19 +42,26 @@ def test_drain_deadline_answers_every_stream_and_exits_zero(tmp_path_factory):
     try:
         grpc = _start_long_streams(server, 3)
         started = time.monotonic()
-        code = stop_server(server.process)
+        stopper = threading.Thread(target=lambda: codes.append(stop_server(server.process)))
+        codes: list = []
+        stopper.start()
+        while any(c.finals == 0 for c in grpc.results.values()):  # the finals come while Triton waits for them
+            grpc.next_event(30)
+        answered = time.monotonic() - started
+        grpc.close()  # a client that got its answers leaves; Triton then exits
+        stopper.join(60)
         elapsed = time.monotonic() - started
-        results = grpc.wait_all(timeout=30)
-        grpc.close()
+        results = grpc.results
+        code = codes[0] if codes else None
+        print(f"answered after {answered:.1f} s, exited after {elapsed:.1f} s")
     finally:
         if server.process.poll() is None:
             close_server(server)
     assert code == 0, server.log_tail()
-    assert 2 <= elapsed < 20, elapsed
+    assert 2 <= answered < 15 and elapsed < 30, (answered, elapsed)
     for rid, got in results.items():
         assert got.finals == 1, rid
-        assert len(got.errors) == 1 and "the server is shutting down" in str(got.errors[0]), (rid, got.errors)
-        assert "UNAVAILABLE" in got.errors[0].status()
+        assert len(got.errors) == 1 and "the server is shutting down" in got.errors[0].message(), (rid, got.errors)
     log = server.log_path.read_text(errors="replace")
     assert "Signal (11)" not in log and "Exit timeout expired" not in log
     assert not server.stub_pids()
