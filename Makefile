@@ -17,14 +17,15 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
+# two workers, each taking whole test files (a file's server fixtures stay in one worker)
 test: venv
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n 2 --dist loadfile
 
 test-unit: venv
 	$(PY) -m pytest tests/unit -q
 
 test-integration: venv
-	$(PY) -m pytest tests/integration -q
+	$(PY) -m pytest tests/integration -q -n 2 --dist loadfile
 
 # on a GPU machine, with that machine's own torch and triton: tests/gpu, tests/kernels compiled, and one short
 # benchmark of each model shape (scripts/gpu/test_gpu.sh). A change to code that runs only with CUDA lands after it passed.

@@ -212,10 +212,10 @@ class TritonPythonModel:
             pb_utils.Logger.log_info(f"tandem: drain time over: {left} request(s) stopped")
 
     def _orphaned(self) -> None:
-        """tritonserver is gone (lifecycle.py): nobody can receive an answer; free the device and exit now."""
-        pb_utils.Logger.log_error("tandem: tritonserver is gone; stopping the engine and exiting")
+        """tritonserver is gone (lifecycle.py): nobody can receive an answer. Exit at once: the process's end frees
+        its device memory (an orderly engine shutdown could wait on threads that wait on the dead server)."""
         try:
-            self.engine.shutdown(timeout=5.0)
+            print("tandem: tritonserver is gone; the model's stub exits", file=sys.stderr, flush=True)
         finally:
             os._exit(1)
 
