@@ -401,11 +401,21 @@ def test_injected_fault_fails_inflight_requests_and_engine_recovers(root):
         engine.shutdown()
 
 
+def _assert_dead(engine) -> None:
+    """The engine stops within 5 s and refuses new requests."""
+    from backend import EngineDead
+
+    deadline = time.time() + 5
+    while engine.healthy and time.time() < deadline:
+        time.sleep(0.01)
+    assert not engine.healthy
+    with pytest.raises(EngineDead):
+        engine.add_request([1, 2], greedy(2))
+
+
 def test_faults_slower_than_the_idle_tick_still_add_up(root):
     """A fault that hits every request, one request at a time with the loop idle between them (longer than its
     0.5 s idle tick): idle ticks do not clear the count, so the third failed step marks the engine unhealthy."""
-    from backend import EngineDead
-
     path = build_tiny("llama", root)
     engine = make_engine(path, False, test_fault_every_n_steps=1)
     try:
@@ -414,12 +424,7 @@ def test_faults_slower_than_the_idle_tick_still_add_up(root):
             out = engine.generate([[5, 6, 7]], greedy(4))[0]
             assert out.finish_reason == "error"
             time.sleep(0.7)  # longer than the loop's idle wait
-        deadline = time.time() + 5
-        while engine.healthy and time.time() < deadline:
-            time.sleep(0.01)
-        assert not engine.healthy
-        with pytest.raises(EngineDead):
-            engine.add_request([1, 2], greedy(2))
+        _assert_dead(engine)
     finally:
         engine.shutdown()
 
@@ -436,12 +441,7 @@ def test_repeated_faults_mark_the_engine_unhealthy(root):
                 assert out.finish_reason in ("error", "abort")
             except EngineDead:
                 break
-        deadline = time.time() + 5
-        while engine.healthy and time.time() < deadline:
-            time.sleep(0.01)
-        assert not engine.healthy
-        with pytest.raises(EngineDead):
-            engine.add_request([1, 2], greedy(2))
+        _assert_dead(engine)
     finally:
         engine.shutdown()
 

@@ -75,15 +75,7 @@ def _prompt(get_input: GetInput) -> str | list[int]:
         if flat.size == 0:
             raise ValueError("input_ids must hold at least one token id")
         return [int(t) for t in flat]
-    flat = np.asarray(text, dtype=object).reshape(-1)
-    if flat.size != 1:
-        raise ValueError(f"text_input must hold exactly one string, got {flat.size}")
-    value = flat[0]
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError("text_input must be UTF-8 text") from None
+    value = _one_text(text, "text_input must hold exactly one string", "text_input must be UTF-8 text")
     if not isinstance(value, str) or not value:
         raise ValueError("text_input must be a non-empty string")
     return value
@@ -103,16 +95,23 @@ def _sampling_tensor(get_input: GetInput) -> dict[str, Any]:
     tensor = get_input("sampling_parameters")
     if tensor is None:
         return {}
+    raw = _one_text(tensor, "sampling_parameters must be one JSON string",
+                    "sampling_parameters must be UTF-8 text (a JSON object)")
+    return _json_object(str(raw), "sampling_parameters")
+
+
+def _one_text(tensor, count_message: str, utf8_message: str):
+    """The one element of a BYTES tensor, decoded when it is bytes; ValueError with the messages given."""
     flat = np.asarray(tensor, dtype=object).reshape(-1)
     if flat.size != 1:
-        raise ValueError("sampling_parameters must be one JSON string")
-    raw = flat[0]
-    if isinstance(raw, bytes):
+        raise ValueError(f"{count_message}, got {flat.size}")
+    value = flat[0]
+    if isinstance(value, bytes):
         try:
-            raw = raw.decode("utf-8")
+            return value.decode("utf-8")
         except UnicodeDecodeError:
-            raise ValueError("sampling_parameters must be UTF-8 text (a JSON object)") from None
-    return _json_object(str(raw), "sampling_parameters")
+            raise ValueError(utf8_message) from None
+    return value
 
 
 def _json_object(raw: str | None, name: str) -> dict[str, Any]:
