@@ -13,12 +13,13 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from backend import Engine, EngineConfig, SamplingParams
 from backend.models import STAND_IN
+from bench.traffic import TrafficMix
 
 COPY_BANDWIDTH = 4.24e12  # bytes/s of an H200 device-to-device copy, bytes read + written (docs/benchmarks.md)
 
@@ -34,6 +35,7 @@ class Workload:
     device: str = "cuda"
     engine: dict = field(default_factory=dict)
     length_spread: int = 0  # request i asks for new_tokens - (i * 7919) % (length_spread + 1): finishes spread out
+    traffic: TrafficMix | None = None  # a realistic mix instead: lengths drawn per request (requests ignored)
 
     def max_tokens(self, i: int) -> int:
         return self.new_tokens - (i * 7919) % (self.length_spread + 1)
@@ -56,6 +58,15 @@ WORKLOADS = {
                          engine=dict(max_num_seqs=64, max_num_batched_tokens=8192)),
     "small-many": Workload("random:llama-3.2-1b", [128, 256], (128, 128), 512,
                            engine=dict(max_num_seqs=256, max_num_batched_tokens=8192)),
+    # realistic mixes (bench/traffic.py): log-normal prompt and output lengths, all requests queued at once
+    "mix-8b": Workload("random:llama-3-8b", [1000], (4, 2048), 1024, traffic=TrafficMix(1000),
+                       engine=dict(max_num_seqs=256, max_num_batched_tokens=8192)),
+    "mix-1b": Workload("random:llama-3.2-1b", [2000], (4, 2048), 1024, traffic=TrafficMix(2000),
+                       engine=dict(max_num_seqs=256, max_num_batched_tokens=8192)),
+    "mix-1b-chat": Workload("random:llama-3.2-1b", [2000], (4, 2048), 1024, traffic=TrafficMix(2000, chat=True),
+                            engine=dict(max_num_seqs=256, max_num_batched_tokens=8192)),
+    "cpu-mix": Workload(STAND_IN, [256], (4, 2048), 1024, device="cpu", traffic=TrafficMix(256, chat=True),
+                        engine=dict(num_kv_blocks=256 * 240, max_num_seqs=256, max_num_batched_tokens=4096)),
 }
 
 
@@ -65,8 +76,9 @@ def make_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0) ->
 
 
 def build_engine(wl: Workload, async_pipeline: bool, args) -> Engine:
+    max_len = wl.traffic.max_model_len if wl.traffic else wl.prompt_len[1] + wl.new_tokens
     settings = dict(model=wl.model, device=args.device or wl.device, async_pipeline=async_pipeline,
-                    max_model_len=wl.prompt_len[1] + wl.new_tokens + 16, timeline=True)
+                    max_model_len=max_len + 16, timeline=True)
     settings.update(wl.engine)
     if args.attention:
         settings["attention_backend"] = args.attention
@@ -79,14 +91,19 @@ def build_engine(wl: Workload, async_pipeline: bool, args) -> Engine:
     return Engine(EngineConfig(**settings))
 
 
-def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
+def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str = "greedy") -> dict:
     engine = build_engine(wl, async_pipeline, args)
     try:
         vocab = engine.spec.vocab_size
-        params = [SamplingParams(max_tokens=wl.max_tokens(i), temperature=0.0, ignore_eos=True) for i in range(n)]
         engine.generate(make_prompts(min(n, 4), (16, 16), vocab, seed=99), SamplingParams(max_tokens=4,
                                                                                           ignore_eos=True))
-        prompts = make_prompts(n, wl.prompt_len, vocab)
+        if wl.traffic is not None:
+            prompts, params = wl.traffic.build(vocab, decoding)
+        else:
+            params = [SamplingParams(max_tokens=wl.max_tokens(i), temperature=0.0, ignore_eos=True)
+                      for i in range(n)]
+            prompts = make_prompts(n, wl.prompt_len, vocab)
+        hits_before = engine.stats()["prefix_cache_hits"], engine.stats()["prefix_cache_queries"]
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -98,19 +115,27 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args) -> dict:
         time.sleep(0.05)  # the loop applies the switch at its next step
         tokens = sum(len(o.token_ids) for o in outs)
         summary = engine.timeline.summary()
-        result = dict(mode="async" if async_pipeline else "sync", requests=n, wall_s=round(wall, 3),
+        result = dict(mode="async" if async_pipeline else "sync", requests=len(prompts), wall_s=round(wall, 3),
                       tok_per_s=round(tokens / wall, 1), output_tokens=tokens,
                       gpu_busy=round(summary["gpu_busy_fraction"], 4),
                       cpu_us_per_step=round(summary["cpu_us_per_step"], 1), steps=summary["steps"],
                       preemptions=engine.stats()["preemptions"], cpu_us_by_phase=summary["cpu_us_by_phase"])
-        if wl.model == STAND_IN:
+        if wl.traffic is not None:
+            stats = engine.stats()
+            queries = stats["prefix_cache_queries"] - hits_before[1]
+            result.update(decoding=decoding, requests_per_s=round(len(prompts) / wall, 2),
+                          total_tok_per_s=round((tokens + sum(map(len, prompts))) / wall, 1),
+                          prefix_hit_rate=round((stats["prefix_cache_hits"] - hits_before[0]) / queries, 3)
+                          if queries else 0.0)
+        elif wl.model == STAND_IN:
             from backend.models.standin import expected_tokens
 
             result["all_tokens_exact"] = all(o.token_ids == expected_tokens(p, wl.max_tokens(i), vocab)
                                              for i, (o, p) in enumerate(zip(outs, prompts)))
         if engine.device.type == "cuda":
             result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
-            result["roofline"] = round(roofline_seconds(engine, prompts, wl.new_tokens) / wall, 3)
+            if wl.traffic is None:  # every request decodes new_tokens: the roofline's premise
+                result["roofline"] = round(roofline_seconds(engine, prompts, wl.new_tokens) / wall, 3)
         if args.timeline:
             stem = f"{args.timeline}-{result['mode']}-{n}"
             engine.timeline.png(stem + ".png", title=f"{args.workload} {result['mode']} ({n} requests)")
@@ -168,6 +193,8 @@ def main(argv=None) -> int:
                     help="stream every request's outputs (detokenized each step, as when serving) instead of "
                          "generate()'s final-only outputs")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread; print the top functions")
+    ap.add_argument("--decoding", default="greedy,sampled",
+                    help="for the mix workloads: greedy, sampled (T 0.7-0.8, top-p 0.95, seeded) or both")
     ap.add_argument("--compare-new-tokens", type=int, default=None,
                     help="new tokens for the transformers runs (default: the workload's); tok/s is quoted")
     args = ap.parse_args(argv)
@@ -185,10 +212,14 @@ def main(argv=None) -> int:
     print(f"# workload {args.workload}: model {wl.model}, requests {wl.requests}, prompt {wl.prompt_len}, "
           f"new tokens {wl.new_tokens}, device {args.device or wl.device}, torch {torch.__version__}", flush=True)
     rows = []
+    if wl.traffic is not None and args.requests:
+        wl.traffic = replace(wl.traffic, num_requests=wl.requests[0])
+    decodings = args.decoding.split(",") if wl.traffic is not None else ["greedy"]
     for n in wl.requests:
-        for mode in args.modes.split(","):
-            rows.append(dict(engine="tandem", **run_engine(wl, n, mode == "async", args)))
-            print(_row(rows[-1]), flush=True)
+        for decoding in decodings:
+            for mode in args.modes.split(","):
+                rows.append(dict(engine="tandem", **run_engine(wl, n, mode == "async", args, decoding)))
+                print(_row(rows[-1]), flush=True)
         if args.compare == "transformers":
             from bench.transformers_baseline import run_transformers
 
@@ -227,7 +258,8 @@ def _profile_engine_thread() -> None:
 
 
 def _row(r: dict) -> str:
-    keys = ["engine", "mode", "requests", "wall_s", "tok_per_s", "gpu_busy", "cpu_us_per_step", "roofline",
+    keys = ["engine", "mode", "decoding", "requests", "wall_s", "requests_per_s", "tok_per_s", "total_tok_per_s",
+            "prefix_hit_rate", "gpu_busy", "cpu_us_per_step", "roofline",
             "peak_mem_gb", "steps", "preemptions", "all_tokens_exact", "cpu_us_by_phase"]
     return "  ".join(f"{k}={r[k]}" for k in keys if k in r)
 
