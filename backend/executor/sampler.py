@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -232,11 +232,48 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # (B, K) f32
 
 
-class Sampler:
-    """Turns a batch of logits into next tokens on the device, with no host synchronisation."""
+@dataclass(slots=True)
+class SampleTargets:
+    """Device buffers a step's samples are written into (a pipeline slot's outputs, leading rows used)."""
 
-    def __init__(self) -> None:
+    tokens: torch.Tensor  # (S,) int64
+    logprobs: torch.Tensor  # (S,) f32
+    ranks: torch.Tensor  # (S,) int64
+    top_ids: torch.Tensor  # (S, K) int64
+    top_logprobs: torch.Tensor  # (S, K) f32
+    lse: torch.Tensor  # (S,) f32, each row's log-sum-exp (the fused kernel's, for the top-n logprobs)
+
+
+class Sampler:
+    """Turns a batch of logits into next tokens on the device, with no host synchronisation.
+
+    With a fused kernel (the Triton ops' sample_rows) `sample_into` runs temperature, top-k/top-p/min-p, the noise,
+    the pick and the sampled logprobs in one launch over the model-dtype logits, and no sort; without one (the
+    torch ops) it runs the torch code below, which is also the reference the kernel is tested against."""
+
+    def __init__(self, fused: Callable | None = None) -> None:
+        self.fused = fused
         self._vocab_hash: torch.Tensor | None = None  # (V,) cached per vocabulary size and device
+
+    def sample_into(self, logits: torch.Tensor, st: SamplingTensors, out: SampleTargets) -> None:
+        """Sample every row of logits (B, V) into out's leading B rows (logprobs, ranks, top-n when asked)."""
+        rows = st.batch_size
+        if self.fused is None:
+            _write_output(self(logits, st), out, rows)
+            return
+        if logits.dim() != 2 or logits.shape[0] != rows:
+            raise ValueError(f"logits must be (B={rows}, V), got {tuple(logits.shape)}")
+        if st.any_penalty:
+            logits = apply_penalties(logits.float(), st)
+        asked = st.num_logprobs >= 0
+        self.fused(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.step_index,
+                   out.tokens[:rows], logprobs=out.logprobs[:rows] if asked else None,
+                   ranks=out.ranks[:rows] if asked else None, lse=out.lse[:rows] if asked else None)
+        if st.num_logprobs > 0:
+            k = st.num_logprobs
+            values, ids = logits.topk(k, dim=-1)  # (B, K) of the raw logits, as log_softmax keeps their order
+            out.top_ids[:rows, :k].copy_(ids)
+            out.top_logprobs[:rows, :k].copy_(values.float() - out.lse[:rows].unsqueeze(1))
 
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != st.batch_size:
@@ -276,6 +313,17 @@ class Sampler:
             cached = _mix32_(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ _SALT_VOCAB)
             self._vocab_hash = cached
         return cached
+
+
+def _write_output(out: SamplerOutput, targets: SampleTargets, rows: int) -> None:
+    targets.tokens[:rows].copy_(out.token_ids)
+    if out.logprobs is not None:
+        targets.logprobs[:rows].copy_(out.logprobs)
+        targets.ranks[:rows].copy_(out.ranks)
+    if out.top_ids is not None:
+        k = out.top_ids.shape[1]
+        targets.top_ids[:rows, :k].copy_(out.top_ids)
+        targets.top_logprobs[:rows, :k].copy_(out.top_logprobs)
 
 
 def _with_logprobs(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, k: int) -> SamplerOutput:

@@ -33,11 +33,14 @@ class Ops:
     # (x, gate_up_weight, bias=None): silu_and_mul(linear(x, gate_up_weight, bias)), in one kernel where it can
     linear_silu_and_mul: Callable
     greedy_argmax: Callable  # (logits (N, V), out (N,) int64): each row's first maximum into out
+    # (logits, temperature, top_k, top_p, min_p, seeds, step_index, out, *, logprobs, ranks, lse): the whole sampler
+    # in one kernel (ops/triton/sampling.py); None: the torch sampler's code runs instead
+    sample_rows: Callable | None = None
 
 
 def _from_modules(name: str, layers, rope_attention: Callable, linear: Callable = _torch_layers.linear,
                   greedy_argmax: Callable = _torch_layers.greedy_argmax, linear_parked: Callable | None = None,
-                  linear_silu_and_mul: Callable | None = None) -> Ops:
+                  linear_silu_and_mul: Callable | None = None, sample_rows: Callable | None = None) -> Ops:
     def unfused_linear_silu_and_mul(x, gate_up_weight, bias=None):
         return layers.silu_and_mul(linear(x, gate_up_weight, bias))
 
@@ -50,6 +53,7 @@ def _from_modules(name: str, layers, rope_attention: Callable, linear: Callable 
         linear_parked=linear_parked or linear,
         linear_silu_and_mul=linear_silu_and_mul or unfused_linear_silu_and_mul,
         greedy_argmax=greedy_argmax,
+        sample_rows=sample_rows,
     )
 
 
@@ -82,6 +86,7 @@ def get_ops(backend: str, linear_backend: str = "auto", dependent_launch: bool =
 def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
     # imported lazily: triton is absent on CPU-only machines
     from backend.ops.triton import argmax as triton_argmax, layers as triton_layers, linear as triton_linear
+    from backend.ops.triton import sampling as triton_sampling
     from backend.ops.triton.attention import rope_paged_attention
 
     def bind(fn: Callable) -> Callable:
@@ -95,7 +100,7 @@ def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
              "triton": bind(triton_linear.linear_silu_and_mul), "cublas": None}[linear_backend]
     name = "triton+pdl" if pdl else "triton"
     return _from_modules(name, layers, bind(rope_paged_attention), linear, bind(triton_argmax.greedy_argmax),
-                         parking, gated)
+                         parking, gated, bind(triton_sampling.sample_rows))
 
 
 class _BoundLayers(NamedTuple):

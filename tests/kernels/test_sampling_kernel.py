@@ -1,0 +1,179 @@
+"""The fused sampling kernel (backend/ops/triton/sampling.py) against the torch sampler and exact references.
+
+- greedy rows: the first maximum, bit for bit as torch.argmax;
+- top-k, top-p and min-p: every pick lies in the kept set of the torch sampler's sort-based masks, and the noise is
+  the same hash as the torch sampler's, so both pick the same token in all but a few rows (near-ties that float
+  rounding orders differently);
+- the draws follow the requested distribution (chi-square over many seeds, small vocabulary);
+- a row's draw depends on its own seed and step only, not on the batch around it;
+- logprobs, ranks and the log-sum-exp equal log_softmax's.
+Under Triton's interpreter (no CUDA) the sizes are smaller.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.kernels
+
+import triton  # noqa: E402,F401  (a test requirement: the interpreter runs these kernels without CUDA)
+
+from backend.executor import sampler as torch_sampler  # noqa: E402
+from backend.ops.triton.sampling import sample_rows  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+VOCAB = 1500 if INTERPRET else 128256
+
+
+def settings(rows, temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed0=0, step0=0):
+    full = lambda v, dtype: torch.full((rows,), v, dtype=dtype, device=DEVICE)  # noqa: E731
+    return dict(temperature=full(temperature, torch.float32), top_k=full(top_k, torch.int32),
+                top_p=full(top_p, torch.float32), min_p=full(min_p, torch.float32),
+                seeds=torch.arange(seed0, seed0 + rows, dtype=torch.int64, device=DEVICE) * 7919 + 3,
+                step_index=torch.full((rows,), step0, dtype=torch.int64, device=DEVICE))
+
+
+def run_kernel(logits, s, **outputs):
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=DEVICE)
+    sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"], out,
+                **outputs)
+    return out
+
+
+def as_tensors(s, rows):
+    ones, zeros = torch.ones(rows, device=DEVICE), torch.zeros(rows, device=DEVICE)
+    return torch_sampler.SamplingTensors(
+        temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], min_p=s["min_p"], repetition_penalty=ones,
+        presence_penalty=zeros, frequency_penalty=zeros, seeds=s["seeds"], step_index=s["step_index"],
+        prompt_token_ids=None, output_token_ids=None, all_greedy=False, any_top_k=True, any_top_p=True,
+        any_min_p=bool((s["min_p"] > 0).any()), any_penalty=False, num_logprobs=0)
+
+
+def random_logits(rows, vocab=VOCAB, scale=3.0, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def test_greedy_rows_are_torch_argmax_bit_for_bit():
+    logits = random_logits(8, scale=1.0)  # bf16 at this scale: many exact ties, the first one must win
+    logits[3, 100:] = logits[3, 7]
+    logits[5] = logits[5].max()
+    got = run_kernel(logits, settings(8, temperature=0.0))
+    assert got.tolist() == logits.float().argmax(-1).tolist()
+
+
+def reference_masks(logits, s):
+    """The torch sampler's kept tokens (sort-based top-k/top-p, then min-p), scaled logits z and its picks."""
+    rows = logits.shape[0]
+    z = logits.float() / s["temperature"].unsqueeze(1)
+    kept = torch.isfinite(torch_sampler.apply_top_k_top_p(z, s["top_k"], s["top_p"]))
+    probs = (z - z.amax(1, keepdim=True)).exp()
+    kept &= probs >= s["min_p"].unsqueeze(1)
+    return kept, torch_sampler.Sampler()(logits, as_tensors(s, rows)).token_ids
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p,scale", [(1, 1.0, 0.0, 3.0), (2, 1.0, 0.0, 3.0), (50, 1.0, 0.0, 3.0),
+                                                     (333, 1.0, 0.0, 1.0), (0, 0.95, 0.0, 1.0), (0, 0.5, 0.0, 3.0),
+                                                     (40, 0.9, 0.0, 3.0), (0, 0.1, 0.0, 0.5), (0, 1.0, 0.2, 2.0),
+                                                     (20, 0.8, 0.05, 3.0)])
+def test_picks_are_the_sorted_references(top_k, top_p, min_p, scale):
+    """Every pick lies in the torch sampler's kept set (top-k ties included; top-p within rounding of its boundary),
+    and is the torch sampler's own pick but for near-ties of the race that float rounding orders apart."""
+    rows = 12 if INTERPRET else 256
+    logits = random_logits(rows, scale=scale, seed=top_k * 7 + int(top_p * 100), dtype=torch.float32)
+    s = settings(rows, temperature=0.9, top_k=top_k, top_p=top_p, min_p=min_p, step0=top_k)
+    got = run_kernel(logits, s)
+    kept, want = reference_masks(logits, s)
+    inside = kept.gather(1, got.unsqueeze(1)).squeeze(1)
+    if top_p == 1.0:
+        assert inside.all()
+    else:
+        assert inside.float().mean().item() >= 0.99
+    assert (got == want).float().mean().item() >= (0.9 if INTERPRET else 0.97)
+
+
+def test_a_rows_draw_ignores_the_batch_around_it():
+    rows = 12
+    logits = random_logits(rows, seed=5)
+    s = settings(rows, temperature=1.1, top_p=0.9, step0=4)
+    s["top_k"][::3] = 20
+    s["temperature"][1] = 0.0
+    s["min_p"][2] = 0.05
+    got = run_kernel(logits, s)
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    shuffled = run_kernel(logits[order], {k: v[order] for k, v in s.items()})
+    assert shuffled.tolist() == got[order].tolist()
+    alone = run_kernel(logits[4:5], {k: v[4:5] for k, v in s.items()})
+    assert alone.item() == got[4].item()
+
+
+SLOW = pytest.mark.interpreter_slow  # ~0.1 s a draw under the interpreter: these run on the GPU (and on request)
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), pytest.param(5, 1.0, 0.0, marks=SLOW),
+                                               pytest.param(0, 0.8, 0.0, marks=SLOW),
+                                               pytest.param(6, 0.7, 0.0, marks=SLOW),
+                                               pytest.param(0, 1.0, 0.3, marks=SLOW)])
+def test_draws_follow_the_requested_distribution(top_k, top_p, min_p):
+    """Chi-square over many rows of the same logits, each with its own seed: p-value above 1e-4 against the kept
+    tokens' renormalised probabilities (tokens expected fewer than 5 times pooled in one bin), and no draw outside
+    them."""
+    vocab, draws, temperature = 12, (400 if INTERPRET else 40000), 0.9
+    base = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.8, 0.5, 0.3, 0.0, -0.4, -0.9, -1.5, -3.0])
+    logits = base.unsqueeze(0).expand(draws, vocab).contiguous().to(DEVICE)
+    s = settings(draws, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, step0=9)
+    counts = torch.bincount(run_kernel(logits, s).cpu(), minlength=vocab).double()
+    probs = (base.double() / temperature).softmax(0)
+    kept = torch.ones(vocab, dtype=torch.bool)
+    if top_k:
+        kept[top_k:] = False
+    if top_p < 1:
+        renorm = torch.where(kept, probs, 0.0) / torch.where(kept, probs, 0.0).sum()
+        kept &= (renorm.cumsum(0) - renorm) < top_p
+    if min_p:
+        kept &= probs >= min_p * probs.max()
+    expected = torch.where(kept, probs, 0.0)
+    expected = expected / expected.sum() * draws
+    assert counts[~kept].sum() == 0
+    big = kept & (expected >= 5)
+    small = kept & ~big
+    observed = torch.cat([counts[big], counts[small].sum().reshape(1)])
+    wanted = torch.cat([expected[big], expected[small].sum().reshape(1)])
+    if not small.any():
+        observed, wanted = observed[:-1], wanted[:-1]
+    dof = observed.numel() - 1
+    if dof == 0:
+        return
+    chi2 = float(((observed - wanted) ** 2 / wanted).sum())
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(chi2 / 2, dtype=torch.float64)))
+    assert p_value > 1e-4, (chi2, dof, counts.tolist(), expected.tolist())
+
+
+def test_logprobs_ranks_and_lse_equal_log_softmax():
+    rows = 10
+    logits = random_logits(rows, seed=8)
+    s = settings(rows, temperature=1.3, top_p=0.9)
+    s["temperature"][0] = 0.0
+    logprobs, lse = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
+    ranks = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+    tokens = run_kernel(logits, s, logprobs=logprobs, ranks=ranks, lse=lse)
+    raw = logits.float().log_softmax(-1)
+    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs, chosen, rtol=0, atol=1e-4)
+    torch.testing.assert_close(lse, logits.float().logsumexp(-1), rtol=0, atol=1e-4)
+    assert ranks.tolist() == ((raw > chosen.unsqueeze(1)).sum(1) + 1).tolist()
+    assert ranks[0].item() == 1
+
+
+def test_bad_arguments_are_refused():
+    logits = random_logits(2)
+    s = settings(2)
+    with pytest.raises(ValueError, match="out must be"):
+        sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"],
+                    torch.empty(3, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="go together"):
+        run_kernel(logits, s, logprobs=torch.empty(2, device=DEVICE))
