@@ -32,6 +32,8 @@ class EngineConfig:
     gc_young_threshold: int = 50_000
     loop_gate: bool = True  # CUDA: output/sender threads do their Python while the loop waits (loop_gate.py)
     max_graph_batch_size: int = 256  # largest decode batch with a captured graph
+    mixed_step_graphs: bool = True  # triton attention: steps with prefill chunks replay graphs per token bucket
+    fused_sampler: bool = True  # triton ops: sampling in one kernel (captured per bucket); off: the torch sampler
     steady_decode: bool = True  # runs of identical decode steps are scheduled, packed and read as arrays
     attention_backend: str = "auto"  # auto | torch | triton
     linear_backend: str = "auto"  # auto (measured table) | triton | cublas: decode GEMMs on the triton path

@@ -95,7 +95,8 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     layout = SlotLayout(max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
                         max_blocks=-(-max_len // config.block_size), max_logprobs=MAX_LOGPROBS)
     runner = ModelRunner(model, kv_cache, config.block_size, layout, device, timeline,
-                         use_graphs=config.cuda_graphs, max_graph_batch=config.max_graph_batch_size)
+                         use_graphs=config.cuda_graphs, max_graph_batch=config.max_graph_batch_size,
+                         fused_sampler=config.fused_sampler, mixed_graphs=config.mixed_step_graphs)
     runner.prepare()
     async_pipeline = config.async_pipeline if config.async_pipeline is not None else device.type == "cuda"
     log.info("engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, async %s",

@@ -1,14 +1,19 @@
-"""CUDA graphs for decode steps: one per batch-size bucket and slot, all drawing on one memory pool.
+"""CUDA graphs for steps: one per bucket and slot, all drawing on one memory pool.
 
-A graph holds carry-over + forward + logits + the greedy pick. It reads its slot's device inputs and the other slot's
-sampled tokens at fixed addresses, and writes logits (model dtype) into one buffer outside the pool, so each graph's
-intermediates can be freed back to the shared pool after capture: N and N+1 never run at once, so the
-two slots' graphs cost about one graph's memory. Prefill and mixed steps run eagerly: their token counts
-and query lengths vary every step, and they are a small share of a long generation's steps.
+A decode graph holds carry-over + forward + logits + the greedy pick for a bucket of one-token rows. A mixed graph
+holds carry-over + forward + logits for a bucket of up to 1,024 tokens: prefill chunks beside decode rows, every
+sequence slot of the layout present (the ones the step leaves empty have no tokens), so the step's token count picks
+the graph and nothing else. Its attention kernel finds each program's sequence on the device, so the varying query lengths of a
+mixed step need no host value at capture time. Where the ops have a fused sampler, each decode bucket also has a
+one-kernel sampler graph, replayed after the decode or mixed graph by steps that sample.
 
-Without CUDA the same object runs each "replay" eagerly (graphs as no-ops), with one bucket per batch size so no
-padding rows are computed: CI exercises the decode-graph step (carry-over inside the body, the greedy pick as the
-final token) on the CPU.
+Graphs read their slot's device inputs and the other slot's sampled tokens at fixed addresses, and write logits (model
+dtype) into one buffer outside the pool, so each graph's intermediates can be freed back to the shared pool after
+capture: N and N+1 never run at once, so the two slots' graphs cost about one graph's memory.
+
+Without CUDA the same object runs each "replay" eagerly (graphs as no-ops), with one decode bucket per batch size so
+no padding rows are computed: CI exercises the decode-graph step (carry-over inside the body, the greedy pick as the
+final token) on the CPU, and with the Triton ops under the interpreter also the mixed body with its padding tokens.
 """
 from __future__ import annotations
 
@@ -21,16 +26,27 @@ from backend.models.spec import ModelSpec
 
 # (slot, previous slot, bucket, block-table width, longest context, logits buffer or None) → logits (bucket, V)
 DecodeForward = Callable[..., torch.Tensor]
+# (slot, previous slot, token bucket, logits rows, logits buffer or None) → logits (rows, V)
+MixedForward = Callable[..., torch.Tensor]
+# (slot, bucket, logits (bucket, V)): sample every row into the slot's outputs, settings read from its buffers
+SampleBody = Callable[..., None]
 
 _BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+# token buckets of mixed steps. Past 1,024 tokens a step's GPU time (milliseconds, even for a 1B model) hides its eager
+# launches, while padding it up to a bucket would cost compute the 8B model's prefill cannot spare (docs/benchmarks.md),
+# so larger steps run eagerly.
+_TOKEN_BUCKETS = [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
 
 
 class DecodeGraphs:
-    """Captured decode graphs keyed by (slot, bucket)."""
+    """Captured step graphs keyed by (slot, bucket): decode, mixed (by tokens) and the sampler's."""
 
     def __init__(self, forward: DecodeForward, pipeline, device: torch.device, layout, block_size: int,
-                 spec: ModelSpec, max_graph_batch: int) -> None:
+                 spec: ModelSpec, max_graph_batch: int, sample: SampleBody | None = None,
+                 mixed: MixedForward | None = None) -> None:
         self.forward = forward
+        self.sample = sample
+        self.mixed = mixed
         self.block_size = block_size
         self.pipeline = pipeline
         self.device = device
@@ -40,17 +56,35 @@ class DecodeGraphs:
         self.buckets = list(range(1, limit + 1)) if self.eager else [b for b in _BUCKETS if b <= limit]
         if not self.buckets or self.buckets[-1] < limit:
             self.buckets.append(limit)
+        self.token_buckets: list[int] = []
+        if mixed is not None:
+            top = min(layout.max_tokens, _TOKEN_BUCKETS[-1])
+            self.token_buckets = [b for b in _TOKEN_BUCKETS if b < top] + [top]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.sampler_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.samples = sample is not None and not self.eager  # sampled steps replay a sampler graph
         self.memory: dict[str, int] = {}
         if self.eager:
             return
         self.pool = torch.cuda.graph_pool_handle()
-        # the LM head writes here, outside the pool, in the model's dtype: read by the eager sampler when one runs
-        self.logits = torch.empty(self.buckets[-1], spec.vocab_size, dtype=spec.dtype, device=device)
+        # the LM head writes here, outside the pool, in the model's dtype: read by the sampler
+        rows = max(self.buckets[-1], *(self.logits_rows(t) for t in self.token_buckets)) if self.token_buckets \
+            else self.buckets[-1]
+        self.logits = torch.empty(rows, spec.vocab_size, dtype=spec.dtype, device=device)
 
     def bucket_for(self, batch_size: int) -> int | None:
         i = bisect.bisect_left(self.buckets, batch_size)
         return self.buckets[i] if i < len(self.buckets) else None
+
+    def token_bucket_for(self, num_tokens: int) -> int | None:
+        """The mixed graph for a step of num_tokens tokens; None: no mixed graphs, or too many tokens."""
+        i = bisect.bisect_left(self.token_buckets, num_tokens)
+        return self.token_buckets[i] if i < len(self.token_buckets) else None
+
+    def logits_rows(self, token_bucket: int) -> int:
+        """Rows a mixed graph computes logits for: every sampled row of any step of that many tokens."""
+        return min(token_bucket, self.layout.max_seqs)
 
     def capture_all(self) -> None:
         """Capture every bucket for both slots, largest first so smaller graphs reuse its pool memory."""
@@ -62,14 +96,18 @@ class DecodeGraphs:
         for slot in pipe.slots:
             self._prepare(slot)
         for slot in pipe.slots:
+            for tokens in reversed(self.token_buckets):
+                self._capture_mixed(slot, pipe.other(slot), tokens)
+            self._prepare(slot)
             for bucket in reversed(self.buckets):
                 self._capture(slot, pipe.other(slot), bucket)
             # why: the pool's size after each slot is read once that slot's captures are all done
             torch.cuda.synchronize(self.device)
             self.memory[f"after_slot{slot.index}"] = torch.cuda.memory_reserved(self.device) - base
 
-    def _prepare(self, slot) -> None:
-        """Harmless inputs for warm-up and capture: every row a one-token sequence in the null block."""
+    def _prepare(self, slot, num_tokens: int | None = None) -> None:
+        """Harmless inputs for warm-up and capture: one-token sequences in the null block (with num_tokens, a mixed
+        bucket's: the sequences past its tokens are empty)."""
         d = slot.dev
         d["input_ids"].zero_()
         d["positions"].zero_()
@@ -77,7 +115,8 @@ class DecodeGraphs:
         d["carry_src"].fill_(-1)
         d["seq_lens"].fill_(1)
         d["block_tables"].zero_()
-        d["query_start_loc"].copy_(torch.arange(d["query_start_loc"].numel(), dtype=torch.int32))
+        starts = torch.arange(d["query_start_loc"].numel(), dtype=torch.int32)
+        d["query_start_loc"].copy_(starts if num_tokens is None else starts.clamp(max=num_tokens))
         d["logits_idx"].copy_(torch.arange(d["logits_idx"].numel()))
 
     def _body(self, slot, prev_slot, bucket: int, width: int | None = None, max_len: int | None = None
@@ -87,16 +126,37 @@ class DecodeGraphs:
         return self.forward(slot, prev_slot, bucket, width, max_len or width * self.block_size,
                             None if self.eager else self.logits[:bucket])
 
-    def _capture(self, slot, prev_slot, bucket: int) -> None:
+    def _mixed_body(self, slot, prev_slot, tokens: int) -> torch.Tensor:
+        rows = self.logits_rows(tokens)
+        return self.mixed(slot, prev_slot, tokens, rows, None if self.eager else self.logits[:rows])
+
+    def _record(self, body: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        """Warm body up on the compute stream (kernels compiled and autotuned), then capture it."""
         stream = self.pipeline.compute_stream
         with torch.cuda.stream(stream):
-            self._body(slot, prev_slot, bucket)  # warm-up: kernels compiled and autotuned before capture
+            body()
         # why: capture must start from a quiet stream so no earlier work is recorded into the graph
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            self._body(slot, prev_slot, bucket)
-        self.graphs[(slot.index, bucket)] = graph
+            body()
+        return graph
+
+    def _capture(self, slot, prev_slot, bucket: int) -> None:
+        self.graphs[(slot.index, bucket)] = self._record(lambda: self._body(slot, prev_slot, bucket))
+        if self.samples:
+            # the fused sampler over this bucket's logits as its own small graph: a greedy step replays the decode
+            # graph alone, a sampled one this graph after it
+            self.sampler_graphs[(slot.index, bucket)] = self._record(
+                lambda: self.sample(slot, bucket, self.logits[:bucket]))
+
+    def _capture_mixed(self, slot, prev_slot, tokens: int) -> None:
+        self._prepare(slot, tokens)
+        self.mixed_graphs[(slot.index, tokens)] = self._record(lambda: self._mixed_body(slot, prev_slot, tokens))
+
+    def replay_sampler(self, slot, bucket: int) -> None:
+        """Replay the sampler graph of (slot, bucket) on the current (compute) stream, after the step's graph."""
+        self.sampler_graphs[(slot.index, bucket)].replay()
 
     def replay(self, slot, bucket: int, width: int, max_len: int) -> torch.Tensor:
         """Replay on the current (compute) stream; returns the (bucket, V) logits.
@@ -106,3 +166,10 @@ class DecodeGraphs:
             return self._body(slot, self.pipeline.other(slot), bucket, width, max_len)
         self.graphs[(slot.index, bucket)].replay()
         return self.logits[:bucket]
+
+    def replay_mixed(self, slot, tokens: int) -> torch.Tensor:
+        """Replay the mixed graph of (slot, token bucket); returns the (logits_rows(tokens), V) logits."""
+        if self.eager:
+            return self._mixed_body(slot, self.pipeline.other(slot), tokens)
+        self.mixed_graphs[(slot.index, tokens)].replay()
+        return self.logits[:self.logits_rows(tokens)]

@@ -191,6 +191,27 @@ class SlotPacker:
         h["block_tables"][start:end, 0] = NULL_BLOCK
         slot.table_owners[start:end] = [None] * (end - start)
 
+    def pad_mixed(self, slot: Slot, num_seqs: int, num_tokens: int, tokens: int, num_sampled: int, rows: int) -> None:
+        """A mixed graph's padding: tokens [num_tokens, tokens) written into the null block and in no sequence,
+        sequence slots from num_seqs on empty, logits rows [num_sampled, rows) read from token 0."""
+        h, S = slot.np, self.layout.max_seqs
+        h["input_ids"][num_tokens:tokens] = 0
+        h["positions"][num_tokens:tokens] = 0
+        h["slot_mapping"][num_tokens:tokens] = NULL_BLOCK * self.block_size
+        h["carry_src"][num_tokens:tokens] = -1
+        h["query_start_loc"][num_seqs + 1:S + 1] = num_tokens
+        h["seq_lens"][num_seqs:S] = 1
+        h["logits_idx"][num_sampled:rows] = 0
+
+    def device_rows(self, slot: Slot, rows: int) -> SamplingTensors:
+        """The device views of a slot's leading sampling rows as they stand, every flag on (for a captured
+        sampler: the fused kernel reads each row's settings and ignores the flags but these two)."""
+        S = self.layout.max_seqs
+        flags = dict(all_greedy=False, any_top_k=True, any_top_p=True, any_min_p=True, any_penalty=False,
+                     num_logprobs=-1)
+        return assemble_tensors(slot.dev["sampling_f"].view(6, S)[:, :rows], slot.dev["sampling_i"].view(2, S)[:, :rows],
+                                slot.dev["top_k"][:rows], None, None, flags)
+
     def sampling_rows(self, st: StepState, rows: int) -> SamplingTensors:
         """Fill the slot's sampling rows on the host; return the device views the sampler reads."""
         slot, reqs = st.slot, st.sampled

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from backend.executor.sampler import SampleTargets
 from backend.runtime.timeline import Timeline
 
 
@@ -59,6 +60,9 @@ class Slot:
         self.out_ranks = torch.zeros(S, dtype=torch.int64, device=device)
         self.out_top_ids = torch.zeros(S, K, dtype=torch.int64, device=device)
         self.out_top_logprobs = torch.zeros(S, K, dtype=torch.float32, device=device)
+        self.out_lse = torch.zeros(S, dtype=torch.float32, device=device)  # the fused sampler's log-sum-exp
+        self.targets = SampleTargets(self.out_tokens, self.out_logprobs, self.out_ranks, self.out_top_ids,
+                                     self.out_top_logprobs, self.out_lse)
         self.host_tokens = torch.zeros(S, dtype=torch.int64, pin_memory=pin)
         self.host_logprobs = torch.zeros(S, dtype=torch.float32, pin_memory=pin)
         self.host_ranks = torch.zeros(S, dtype=torch.int64, pin_memory=pin)

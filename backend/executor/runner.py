@@ -17,7 +17,8 @@ class ModelRunner:
     """Owns the KV cache, the slots' contents and the model call of every step."""
 
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, layout: SlotLayout,
-                 device: torch.device, timeline: Timeline, use_graphs: bool, max_graph_batch: int) -> None:
+                 device: torch.device, timeline: Timeline, use_graphs: bool, max_graph_batch: int,
+                 fused_sampler: bool = True, mixed_graphs: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache  # (L, 2, NB, BS, Hkv, D)
         self.block_size = block_size
@@ -25,14 +26,17 @@ class ModelRunner:
         self.device = device
         self.timeline = timeline
         self.pipeline = Pipeline(layout, device, timeline)
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.ops.sample_rows if fused_sampler else None)
         self.vocab_size = model.spec.vocab_size
         self.sampler.vocab_hash(self.vocab_size, device)  # cached before any graph capture
         self.packer = SlotPacker(self.pipeline, layout, block_size, device)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:  # without CUDA: the same decode-graph step, run eagerly
+            fused = self.sample_every_row if self.sampler.fused is not None else None
+            # mixed steps in graphs need the attention kernel that finds its sequences on the device (Triton's)
+            mixed = self.mixed_forward if mixed_graphs and model.ops.name.startswith("triton") else None
             self.graphs = DecodeGraphs(self.decode_forward, self.pipeline, device, layout, block_size,
-                                       model.spec, max_graph_batch)
+                                       model.spec, max_graph_batch, fused, mixed)
 
     def prepare(self) -> None:
         """Warm the eager forward up and capture the decode graphs, before the first request."""
@@ -52,6 +56,22 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, out=logits_out)  # (bucket, V)
         self.model.ops.greedy_argmax(logits, slot.out_tokens[:bucket])  # greedy tokens, final for all-greedy steps
         return logits
+
+    def mixed_forward(self, slot: Slot, prev_slot: Slot | None, tokens: int, rows: int,
+                      logits_out: torch.Tensor | None) -> torch.Tensor:
+        """A mixed step's device work (what a mixed graph holds): carry-over, forward over `tokens` tokens in every
+        sequence slot of the layout (the step's own first; the rest hold no tokens), logits of `rows` rows."""
+        ids = self.carry_over(slot, prev_slot, tokens)
+        lay = self.layout
+        # max_query_len > 1 takes the attention kernel that reads query lengths on the device
+        meta = self.metadata(slot, lay.max_seqs, tokens, lay.max_blocks, max(2, tokens), lay.max_blocks * self.block_size)
+        hidden = self.model(ids, slot.dev["positions"][:tokens], self.kv_cache, meta)  # (tokens, H)
+        return self.model.compute_logits(hidden[slot.dev["logits_idx"][:rows]], out=logits_out)  # (rows, V)
+
+    def sample_every_row(self, slot: Slot, bucket: int, logits: torch.Tensor) -> None:
+        """A sampling graph's body: the fused sampler over a bucket's rows, every setting read from the slot's
+        device buffers (padding rows are greedy), so one capture serves any mix of settings."""
+        self.sampler.sample_into(logits, self.packer.device_rows(slot, bucket), slot.targets)
 
     def warm_up_prefill(self) -> list[tuple[int, int]]:
         """Run the eager forward (prefill, mixed and penalised steps) on harmless inputs; returns its (sequences,
@@ -113,12 +133,13 @@ class ModelRunner:
 
     # ---- launch (queues GPU work) -----------------------------------------------------------------
     def launch(self, st: StepState, prev: StepState | None) -> None:
-        """Queue the step's device work: a decode graph where one fits, else the eager forward; then logit edits and
-        the sampler unless every row is plain greedy (the graph's argmax is then the token)."""
+        """Queue the step's device work: a decode graph where one fits, else a mixed graph for its token count, else
+        the eager forward; then logit edits and the sampler unless every row is plain greedy on a decode graph (the
+        graph's argmax is then the token)."""
         batch, slot = st.batch, st.slot
-        B, T = len(batch), batch.num_tokens
+        B, T, n = len(batch), batch.num_tokens, len(st.sampled)
         bucket = self._graph_bucket(st)
-        rows = bucket or len(st.sampled)
+        tokens = None if bucket is not None else self._mixed_bucket(st)
         max_len = st.max_len
         width = max(1, -(-max_len // self.block_size))  # block-table columns that hold context
         n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
@@ -126,37 +147,56 @@ class ModelRunner:
             # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare
             def replay_only() -> int:
                 self.graphs.replay(slot, bucket, width, max_len)
-                return rows
+                return bucket
 
             self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, 0, replay_only, False)
             return
-        sampling = self.packer.sampling_rows(st, rows) if rows else None
-        if bucket is not None and sampling.any_penalty:
-            bucket = None  # penalty tables vary in width: run this step eagerly
-            rows = len(st.sampled)
+        rows = bucket or (self._sampler_rows(n, tokens) if tokens is not None else n)
+        sampling = self.packer.sampling_rows(st, rows) if n else None
+        if sampling is not None and sampling.any_penalty and (bucket or tokens):
+            bucket = tokens = None  # penalty tables vary in width: run this step eagerly
+            rows = n
             sampling = self.packer.sampling_rows(st, rows)
+        if tokens is not None:
+            self.packer.pad_mixed(slot, B, T, tokens, n, self.graphs.logits_rows(tokens))
         edits = logit_edits(st.sampled, self.device)
         prev_slot = self.pipeline.other(slot) if prev is not None and prev.row_of else None
 
         def compute() -> int:
             if bucket is not None:
                 logits = self.graphs.replay(slot, bucket, width, max_len)  # carry-over + forward + logits
+            elif tokens is not None:
+                logits = self.graphs.replay_mixed(slot, tokens)  # the same, for prefill chunks beside decode rows
             else:
-                logits = self._eager_forward(slot, B, T, width, max_len, max(batch.num_new_tokens), prev_slot,
-                                             len(st.sampled))
+                logits = self._eager_forward(slot, B, T, width, max_len, max(batch.num_new_tokens), prev_slot, n)
             if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
                 return 0
-            if bucket is not None and edits is None and sampling.all_greedy and sampling.num_logprobs < 0:
-                return rows  # the graph already wrote the greedy tokens into this slot's outputs
+            if (bucket or tokens) and edits is None and sampling.num_logprobs < 0:
+                if bucket is not None and sampling.all_greedy:
+                    return rows  # the graph already wrote the greedy tokens into this slot's outputs
+                if self.graphs.samples and (slot.index, rows) in self.graphs.sampler_graphs:
+                    self.graphs.replay_sampler(slot, rows)  # the fused sampler, captured for this many rows
+                    return rows
             if edits is not None:  # min_tokens bans, logit_bias, allowed_token_ids, bad_words
-                edits.apply(logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:len(st.sampled)]])
+                edits.apply(logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:n]])
             if sampling.any_penalty:
-                self._append_input_tokens(slot, sampling, len(st.sampled))
-            self._write_samples(slot, self.sampler(logits[:rows], sampling), rows)
+                self._append_input_tokens(slot, sampling, n)
+            self.sampler.sample_into(logits[:rows], sampling, slot.targets)
             return rows
 
         self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, slot.host_f32.numel(), compute,
                              st.read_logprobs)
+
+    def _mixed_bucket(self, st: StepState) -> int | None:
+        """The mixed graph's token bucket for a step no decode graph takes; None: the step runs eagerly."""
+        if self.graphs is None or not self.graphs.token_buckets:
+            return None
+        return self.graphs.token_bucket_for(st.batch.num_tokens)
+
+    def _sampler_rows(self, n: int, tokens: int) -> int:
+        """Rows a mixed step samples: a sampler graph's bucket when one holds n rows within the graph's logits."""
+        rows = self.graphs.bucket_for(n) if self.graphs.samples else None
+        return rows if rows is not None and rows <= self.graphs.logits_rows(tokens) else n
 
     def _graph_bucket(self, st: StepState) -> int | None:
         """The decode graph's batch bucket for a decode-only step that samples every row (padding rows packed into
@@ -175,19 +215,6 @@ class ModelRunner:
         if steady is not None:  # the steady rows' flag is kept; the joiners are few
             return steady.all_plain_greedy and all(r.plain_greedy for r in st.sampled[first:])
         return all(r.plain_greedy for r in st.sampled)
-
-    @staticmethod
-    def _write_samples(slot: Slot, out, rows: int) -> None:
-        """The sampler's tokens (and logprobs, ranks, top-n) into the slot's output buffers, read back after the
-        step's device-to-host copy."""
-        slot.out_tokens[:rows].copy_(out.token_ids)
-        if out.logprobs is not None:
-            slot.out_logprobs[:rows].copy_(out.logprobs)
-            slot.out_ranks[:rows].copy_(out.ranks)
-        if out.top_ids is not None:
-            k = out.top_ids.shape[1]
-            slot.out_top_ids[:rows, :k].copy_(out.top_ids)
-            slot.out_top_logprobs[:rows, :k].copy_(out.top_logprobs)
 
     def carry_over(self, slot: Slot, prev_slot: Slot | None, num_tokens: int) -> torch.Tensor:
         """Input ids with placeholders replaced by the previous step's sampled tokens (on the device)."""

@@ -170,3 +170,27 @@ def test_samples_and_logit_rules_through_decode_graphs(root):
         assert banned.token_ids == hf_greedy(path, prompt, 16, bad_words_ids=[words]) != free
     finally:
         engine.shutdown()
+
+
+def test_seeded_sampling_is_the_same_in_every_mode(root):
+    """Top-p, top-k and min-p rows beside a greedy one (the fused sampler: its captured graph on decode steps, eager
+    on the others): a seed gives the same tokens in sync and async mode, with and without CUDA graphs, and alone."""
+    path = build_tiny("llama", root)
+    prompts = random_prompts([5, 17, 9, 30], seed=21)
+    kinds = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=20),
+             dict(temperature=0.7, top_p=0.95, min_p=0.1), dict(temperature=0.0)]
+    params = [SamplingParams(max_tokens=24, seed=100 + i, ignore_eos=True, **kind) for i, kind in enumerate(kinds)]
+
+    def tokens(prompts, params, **settings):
+        engine = Engine(EngineConfig(model=path, device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8,
+                                     **settings))
+        try:
+            return [o.token_ids for o in engine.generate(prompts, params)]
+        finally:
+            engine.shutdown()
+
+    want = tokens(prompts, params, async_pipeline=True, cuda_graphs=True)
+    assert tokens(prompts, params, async_pipeline=False, cuda_graphs=True) == want
+    assert tokens(prompts, params, async_pipeline=True, cuda_graphs=False) == want
+    assert [tokens([p], [q], async_pipeline=True, cuda_graphs=True)[0] for p, q in zip(prompts, params)] == want
+    assert len({tuple(t) for t in want}) == 4

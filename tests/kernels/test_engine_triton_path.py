@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from backend import Engine, EngineConfig, SamplingParams
+from backend.executor.packer import SlotPacker
 from backend.executor.runner import ModelRunner
 from tests.tiny_models import build_tiny, random_prompts
 
@@ -135,6 +136,10 @@ def test_triton_path_greedy_equals_torch_path(model_path, torch_tokens, launches
     warm_ups = []
     original = ModelRunner.warm_up_prefill
     monkeypatch.setattr(ModelRunner, "warm_up_prefill", lambda self: warm_ups.append(original(self)) or warm_ups[-1])
+    mixed = []  # (tokens, bucket) of the steps with prefill chunks that ran as mixed graphs (their bodies here)
+    pad_mixed = SlotPacker.pad_mixed
+    monkeypatch.setattr(SlotPacker, "pad_mixed", lambda self, slot, seqs, num_tokens, tokens, *rest: mixed.append(
+        (num_tokens, tokens)) or pad_mixed(self, slot, seqs, num_tokens, tokens, *rest))
     tokens, ops = _generate(model_path, attention_backend="triton", linear_backend="auto",
                             dependent_launch="on" if pdl else "off", cuda_graphs=graphs,
                             async_pipeline=async_pipeline, max_num_seqs=max_num_seqs)
@@ -144,6 +149,33 @@ def test_triton_path_greedy_equals_torch_path(model_path, torch_tokens, launches
     graph_body = {("_chunk_max_kernel",)} if graphs else set()  # the decode graph's greedy pick (ops.greedy_argmax)
     assert {(k,) for k in DISPATCH} | ALL_PLAIN_LAUNCHES | graph_body <= kinds, sorted(launches.seen)
     assert {kind[-1] for kind in launches.seen} == {pdl}  # every launch with the dependent-launch flag asked for
+    # with graphs, steps with prefill chunks are mixed graphs of 16, 32 or 64 tokens, some padded
+    assert (any(t < b for t, b in mixed) and {b for _, b in mixed} <= {16, 32, 64}) if graphs else not mixed, mixed
     want_warm_up = [(1, 17), (3, 12), (37, 1)] if max_num_seqs >= 37 else [(1, 17), (3, 12)]
     assert warm_ups == [want_warm_up]  # (37, 2) is 74 tokens: over the 64-token step budget
 
+
+
+def test_triton_path_samples_with_the_fused_kernel_alike_in_every_mode(model_path, monkeypatch):
+    """Sampled requests (top-p, top-k, min-p, logprobs) on the Triton path go through the fused sampling kernel, and
+    a seed gives the same tokens with the decode-graph body and the async pipeline as eagerly and synchronously."""
+    from backend.ops.triton import sampling as triton_sampling
+
+    log = LaunchLog(monkeypatch)
+    log.wrap(triton_sampling, "_sample_rows_kernel", lambda args, kw: ("sample", kw["LOGPROBS"]))
+    prompts = random_prompts(PROMPT_LENS[:5], seed=4)
+    kinds = [dict(max_tokens=5, temperature=0.8, top_p=0.9, seed=1), dict(max_tokens=4, temperature=1.2, top_k=7,
+             seed=2), dict(max_tokens=5, temperature=0.0), dict(max_tokens=3, temperature=0.9, min_p=0.2, seed=3,
+             logprobs=2), dict(max_tokens=4, temperature=1.0, seed=4)]
+    params = [SamplingParams(ignore_eos=True, **kind) for kind in kinds]
+    runs = []
+    for graphs, async_pipeline in ((True, True), (False, False)):
+        engine = Engine(EngineConfig(model=model_path, **SETTINGS, attention_backend="triton", cuda_graphs=graphs,
+                                     async_pipeline=async_pipeline, max_num_seqs=8))
+        try:
+            runs.append([o.token_ids for o in engine.generate(prompts, params)])
+        finally:
+            engine.shutdown()
+    assert runs[0] == runs[1]
+    assert [len(t) for t in runs[0]] == [5, 4, 5, 3, 4]
+    assert {("sample", False), ("sample", True)} <= set(log.seen)
