@@ -19,6 +19,7 @@ import torch
 
 from backend import Engine, EngineConfig, SamplingParams
 from backend.models import STAND_IN
+from bench.kernel_busy import run_with_kernel_busy
 from bench.traffic import TrafficMix
 
 COPY_BANDWIDTH = 4.24e12  # bytes/s of an H200 device-to-device copy, bytes read + written (docs/benchmarks.md)
@@ -54,6 +55,9 @@ WORKLOADS = {
                            engine=dict(max_num_seqs=32, max_num_batched_tokens=4096)),
     "blog": Workload("random:llama-3-8b", [32], (128, 128), 8192,
                      engine=dict(max_num_seqs=32, max_num_batched_tokens=4096)),
+    # the seed article's sweet spot: long generations (RL rollouts), on the long-context config
+    "blog-16k": Workload("random:llama-3.1-8b", [32], (128, 128), 16384,
+                         engine=dict(max_num_seqs=32, max_num_batched_tokens=4096)),
     "small-64": Workload("random:llama-3.2-1b", [64], (128, 128), 1024,
                          engine=dict(max_num_seqs=64, max_num_batched_tokens=8192)),
     "small-many": Workload("random:llama-3.2-1b", [128, 256], (128, 128), 512,
@@ -108,9 +112,14 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         engine.set_timeline(True)
-        start = time.perf_counter()
-        outs = stream_all(engine, prompts, params) if args.stream else engine.generate(prompts, params)
-        wall = time.perf_counter() - start
+        run = lambda: stream_all(engine, prompts, params) if args.stream else engine.generate(prompts, params)  # noqa: E731
+        kernel_busy = None
+        if args.kernel_busy and engine.device.type == "cuda":
+            outs, wall, kernel_busy = run_with_kernel_busy(run)
+        else:
+            start = time.perf_counter()
+            outs = run()
+            wall = time.perf_counter() - start
         engine.set_timeline(False)
         time.sleep(0.05)  # the loop applies the switch at its next step
         tokens = sum(len(o.token_ids) for o in outs)
@@ -120,6 +129,8 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
                       gpu_busy=round(summary["gpu_busy_fraction"], 4),
                       cpu_us_per_step=round(summary["cpu_us_per_step"], 1), steps=summary["steps"],
                       preemptions=engine.stats()["preemptions"], cpu_us_by_phase=summary["cpu_us_by_phase"])
+        if kernel_busy is not None:  # the same run under torch.profiler: its kernel union over the wall time
+            result["gpu_kernel_busy"] = round(kernel_busy, 4)
         if wl.traffic is not None:
             stats = engine.stats()
             queries = stats["prefix_cache_queries"] - hits_before[1]
@@ -193,6 +204,8 @@ def main(argv=None) -> int:
                     help="stream every request's outputs (detokenized each step, as when serving) instead of "
                          "generate()'s final-only outputs")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread; print the top functions")
+    ap.add_argument("--kernel-busy", action="store_true",
+                    help="CUDA: run under torch.profiler and report its kernel time over the wall (gpu_kernel_busy)")
     ap.add_argument("--decoding", default="greedy,sampled",
                     help="for the mix workloads: greedy, sampled (T 0.7-0.8, top-p 0.95, seeded) or both")
     ap.add_argument("--compare-new-tokens", type=int, default=None,
@@ -259,7 +272,7 @@ def _profile_engine_thread() -> None:
 
 def _row(r: dict) -> str:
     keys = ["engine", "mode", "decoding", "requests", "wall_s", "requests_per_s", "tok_per_s", "total_tok_per_s",
-            "prefix_hit_rate", "gpu_busy", "cpu_us_per_step", "roofline",
+            "prefix_hit_rate", "gpu_busy", "gpu_kernel_busy", "cpu_us_per_step", "roofline",
             "peak_mem_gb", "steps", "preemptions", "all_tokens_exact", "cpu_us_by_phase"]
     return "  ".join(f"{k}={r[k]}" for k in keys if k in r)
 

@@ -1,0 +1,50 @@
+"""GPU busy as kernel time: the union of the CUDA kernel intervals torch.profiler (CUPTI) saw, over the wall time.
+
+The engine's timeline measures each step's device work as a span from event to event; where the launches come
+slower than the kernels run, the span holds idle gaps. This is the figure it is checked against
+(`python -m bench.offline ... --kernel-busy`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+def kernel_intervals(prof) -> list[tuple[float, float]]:
+    """(start, end) µs of every kernel in a finished torch.profiler run (copies and memsets left out)."""
+    out = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if e.name.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")):
+            continue
+        out.append((e.time_range.start, e.time_range.end))
+    return out
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals (overlaps counted once)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def run_with_kernel_busy(fn: Callable[[], object]) -> tuple[object, float, float]:
+    """Run fn under torch.profiler's CUDA activity; return (its result, wall seconds, kernel-busy fraction)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    busy_us = union_length(kernel_intervals(prof))
+    return result, wall, busy_us / 1e6 / wall
