@@ -4,6 +4,11 @@ beside the same requests run offline by the engine. Prints a table and one JSON 
 Each level sends N requests at once (one wave) over gRPC streaming with token-id prompts, and reports output
 tokens/s, time to first token and inter-token latency percentiles; the offline run generates the same N
 requests with `Engine.generate`, so the ratio is Triton's cost.
+
+With --rates, the requests are instead a realistic mix (bench/traffic.py: log-normal lengths, sampled or greedy)
+sent open-loop at Poisson times, one rate after another (each a request rate, or "0.9x": that share of the request
+rate the engine alone reached on the same mix), with TTFT / TPOT / ITL / end-to-end mean, p50 and p99 and the
+goodput under an SLO (bench/open_loop.py).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.open_loop import Slo, poisson_arrivals, run_open_loop, summarize, timed_stream
 from scripts.tritonserver_env import free_port, make_model_repository, start_server, stop_server, wait_until_ready
 
 
@@ -125,7 +131,16 @@ def main(argv=None) -> int:
                     help="an engine setting for the served model and the engine alone, e.g. gc_freeze=false")
     ap.add_argument("--engine-stream", action="store_true",
                     help="also run the engine alone with streamed, per-step detokenized outputs")
+    ap.add_argument("--rates", default=None,
+                    help="open-loop Poisson arrivals of a realistic mix at these rates (req/s, or '0.9x' of the "
+                         "engine alone's request rate), one after another")
+    ap.add_argument("--mix-requests", type=int, default=500, help="--rates: requests sent at each rate")
+    ap.add_argument("--decoding", default="sampled", choices=["sampled", "greedy"], help="--rates: the mix's decoding")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="--rates: goodput's TTFT limit")
+    ap.add_argument("--slo-tpot-ms", type=float, default=50.0, help="--rates: goodput's TPOT limit")
     args = ap.parse_args(argv)
+    if args.rates:
+        return open_loop_main(args)
     levels = [int(x) for x in args.concurrency.split(",")]
     lo, hi = (int(x) for x in args.prompt_len.split(","))
     parameters = {"model": args.model, "max_num_seqs": str(max(levels)), "max_model_len": str(args.max_model_len),
@@ -162,6 +177,88 @@ def main(argv=None) -> int:
               f"triton/engine={served[n]['triton_vs_engine']}", flush=True)
     print(json.dumps({"model": args.model, "new_tokens": args.new_tokens, "levels": served}))
     return 0
+
+
+def mix_requests(num: int, decoding: str) -> tuple[list[list[int]], list]:
+    """The realistic mix's prompts (token ids) and engine sampling params (bench/traffic.py); its ids stay below 250,
+    valid in every model here, so the vocabulary passed is that bound."""
+    from bench.traffic import TrafficMix
+
+    return TrafficMix(num).build(250, decoding)
+
+
+def as_client_request(ids: list[int], params):
+    """The same request in the vLLM-backend conventions the server takes."""
+    from tandem_client import GenerateRequest
+
+    return GenerateRequest(input_ids=ids, max_tokens=params.max_tokens, temperature=params.temperature,
+                           top_p=params.top_p if params.top_p < 1 else None, seed=params.seed, ignore_eos=True)
+
+
+def offline_mix(parameters: dict, prompts: list[list[int]], params: list) -> dict:
+    """The engine alone on the whole mix, queued at once: its request rate and output tok/s."""
+    from backend import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig.from_dict({k: v for k, v in parameters.items()
+                                            if k in EngineConfig.__dataclass_fields__}))
+    try:
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        wall = time.perf_counter() - start
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+    tokens = sum(len(o.token_ids) for o in outs)
+    return dict(wall_s=round(wall, 3), requests_per_s=round(len(prompts) / wall, 3),
+                output_tok_per_s=round(tokens / wall, 1))
+
+
+def open_loop_main(args) -> int:
+    prompts, params = mix_requests(args.mix_requests, args.decoding)
+    longest = max(len(p) + q.max_tokens for p, q in zip(prompts, params))
+    parameters = {"model": args.model, "max_num_seqs": "256", "max_model_len": str(max(args.max_model_len, longest)),
+                  "max_num_batched_tokens": "8192", "timeline": "true"}
+    parameters.update(item.split("=", 1) for item in args.set)
+    slo = Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    print(f"# serve_bench open loop: model {args.model}, {len(prompts)} requests per rate, {args.decoding}, rates "
+          f"{args.rates}, SLO TTFT <= {args.slo_ttft_ms} ms and TPOT <= {args.slo_tpot_ms} ms", flush=True)
+    alone = offline_mix(parameters, prompts, params)
+    print("engine  " + "  ".join(f"{k}={v}" for k, v in alone.items()), flush=True)
+    rates = [float(r[:-1]) * alone["requests_per_s"] if r.endswith("x") else float(r) for r in args.rates.split(",")]
+    requests = [as_client_request(ids, p) for ids, p in zip(prompts, params)]
+    tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    repo = make_model_repository(tmp, parameters)
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    proc = start_server(repo, http, grpc, metrics, log_path=args.log or tmp / "tritonserver.log")
+    levels = []
+    try:
+        wait_until_ready(proc, http, timeout=900, model_name="llm")
+        asyncio.run(drive(f"localhost:{grpc}", [prompts[0][:8]] * 2, 4))  # warm-up
+        for i, rate in enumerate(rates):
+            result = asyncio.run(_open_loop(f"localhost:{grpc}", requests, poisson_arrivals(len(requests), rate, i),
+                                            slo))
+            result.update(rate=round(rate, 3), vs_engine_tok_per_s=round(
+                result["output_tok_per_s"] / alone["output_tok_per_s"], 3))
+            levels.append(result)
+            print("triton  " + "  ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+    finally:
+        stop_server(proc)
+    print(json.dumps({"model": args.model, "decoding": args.decoding, "slo_ms": [args.slo_ttft_ms, args.slo_tpot_ms],
+                      "engine": alone, "rates": levels}))
+    return 0
+
+
+async def _open_loop(url: str, requests: list, times: list[float], slo: Slo) -> dict:
+    from tandem_client import AsyncClient
+
+    client = AsyncClient(url, protocol="grpc")
+    try:
+        timings, wall = await run_open_loop(lambda req: timed_stream(client.stream(req)), requests, times)
+    finally:
+        await client.close()
+    return summarize(timings, wall, slo)
 
 
 if __name__ == "__main__":
