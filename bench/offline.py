@@ -69,6 +69,9 @@ WORKLOADS = {
                        engine=dict(max_num_seqs=256, max_num_batched_tokens=8192)),
     "mix-1b-chat": Workload("random:llama-3.2-1b", [2000], (4, 2048), 1024, traffic=TrafficMix(2000, chat=True),
                             engine=dict(max_num_seqs=256, max_num_batched_tokens=8192)),
+    # mix-1b's requests and step limits on the stand-in model: the engine's own CPU per step on that traffic
+    "cpu-mix-2000": Workload(STAND_IN, [2000], (4, 2048), 1024, device="cpu", traffic=TrafficMix(2000),
+                             engine=dict(num_kv_blocks=256 * 200, max_num_seqs=256, max_num_batched_tokens=8192)),
     "cpu-mix": Workload(STAND_IN, [256], (4, 2048), 1024, device="cpu", traffic=TrafficMix(256, chat=True),
                         engine=dict(num_kv_blocks=256 * 240, max_num_seqs=256, max_num_batched_tokens=4096)),
 }

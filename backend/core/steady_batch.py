@@ -146,25 +146,36 @@ class SteadyBatch:
             req.last_step_id = step_id
         self.computed += 1
 
-    def near_length_limit(self) -> bool:
-        """A step's tokens may end a row by length: the general update must look at every row."""
-        return bool((self.computed + 2 >= self.token_cap).any())
+    def rows_that_may_end(self, tokens: list[int]) -> np.ndarray:
+        """Rows this step's tokens may end, which the general update must look at: near a length limit, or a
+        token that is one of any row's stop tokens."""
+        risky = self.computed + 2 >= self.token_cap  # (rows,)
+        if not self.stop_ids.isdisjoint(tokens):
+            risky |= np.isin(np.asarray(tokens), np.fromiter(self.stop_ids, dtype=np.int64))
+        return np.flatnonzero(risky)
 
-    def hits_stop_token(self, tokens: list[int]) -> bool:
-        return not self.stop_ids.isdisjoint(tokens)
-
-    def accept(self, tokens: list[int]) -> None:
-        """Every row's pending token arrived and none ends its request."""
-        for req, tok in zip(self.requests, tokens):
-            req.num_pending -= 1
-            req.output_token_ids.append(tok)
+    def accept(self, tokens: list[int], keep: np.ndarray | None = None) -> None:
+        """Every row's pending token (with keep: the rows it marks) arrived and ends no request."""
+        if keep is None:
+            for req, tok in zip(self.requests, tokens):
+                req.num_pending -= 1
+                req.output_token_ids.append(tok)
+            return
+        for req, tok, kept in zip(self.requests, tokens, keep.tolist()):
+            if kept:
+                req.num_pending -= 1
+                req.output_token_ids.append(tok)
 
     def rows_to_hash(self) -> np.ndarray:
         """Rows that may have filled a KV block since it was last hashed (prefix caching checks them)."""
         return np.flatnonzero(self.computed >= (self.hashed_blocks + 1) * self.block_size)
 
-    def events(self, tokens: list[int]) -> list[tuple[str, int]]:
-        """(request_id, token) for each streamed row, made into outputs by the output thread."""
-        if len(self.streamed_rows) == len(self.requests):
-            return list(zip(self.request_ids, tokens))
-        return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows)]
+    def events(self, tokens: list[int], keep: np.ndarray | None = None) -> list[tuple[str, int]]:
+        """(request_id, token) for each streamed row (with keep: of the rows it marks), made into outputs by the
+        output thread."""
+        if keep is None:
+            if len(self.streamed_rows) == len(self.requests):
+                return list(zip(self.request_ids, tokens))
+            return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows)]
+        kept = keep.tolist()
+        return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows) if kept[i]]

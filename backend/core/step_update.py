@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 from backend.core.kv_cache import BlockManager
 from backend.core.scheduler import Scheduler
 from backend.outputs.processor import StepEvent
@@ -26,29 +28,32 @@ class StepUpdater:
               finish: Callable[[Request, str, StepState | None], None]) -> list[StepEvent | tuple[str, int]]:
         """A step's tokens arrived: update its requests and return the events for the output thread. finish(req,
         reason, next_state) ends a request (the engine's, which calls finish() below and forgets the request)."""
-        sb, first = st.batch.steady, 0
+        sb, first, risky = st.batch.steady, 0, []
         events: list[StepEvent | tuple[str, int]] = []
         if sb is not None and sb is self.scheduler.steady and st.steady_version == sb.version:
-            steady_events = self._update_steady(st, result)
-            if steady_events is not None:  # the steady rows are done; joiners (if any) follow the general rules
-                events, first = steady_events, st.batch.num_steady_rows
-        self._update_rows(result, first, next_state, events, finish)
+            steady = self._update_steady(st, result)
+            if steady is not None:  # the steady rows are done but the risky ones; joiners follow the general rules
+                (events, risky), first = steady, st.batch.num_steady_rows
+        rows = [*risky, *range(first, len(result.requests))]
+        self._update_rows(result, rows, next_state, events, finish)
         bm = self.block_manager
         if bm.enable_prefix_caching:
             bs = bm.block_size
-            for req in st.batch.requests[first:]:  # hash blocks that just filled up, for later prefix hits
+            for i in rows:  # hash blocks that just filled up, for later prefix hits
+                req = st.batch.requests[i]
                 if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs and not req.is_finished:
                     bm.register_full_blocks(req, req.num_computed_tokens)
         for req in st.batch.free_after:
             self.block_manager.free(req)
         return events
 
-    def _update_rows(self, result: StepResult, first: int, next_state: StepState | None,
+    def _update_rows(self, result: StepResult, rows: list[int], next_state: StepState | None,
                      events: list[StepEvent | tuple[str, int]], finish) -> None:
-        """Each sampled row from `first` on: accept its token, check its stops, append its event."""
+        """Each of these sampled rows: accept its token, check its stops, append its event."""
         lps = result.logprobs
-        rows = zip(result.requests[first:], result.token_ids[first:])
-        for i, (req, tok) in enumerate(rows, start=first):
+        requests, tokens = result.requests, result.token_ids
+        for i in rows:
+            req, tok = requests[i], tokens[i]
             if req.is_finished:
                 req.drop_pending()  # finished while this step was queued: its token is dropped
                 continue
@@ -76,24 +81,32 @@ class StepUpdater:
             if reason is not None:
                 finish(req, reason, next_state)
 
-    def _update_steady(self, st: StepState, result: StepResult) -> list[tuple[str, int]] | None:
-        """The steady rows' tokens, when they end no request: appended with one short loop, no per-row checks.
+    def _update_steady(self, st: StepState, result: StepResult
+                       ) -> tuple[list[tuple[str, int]], list[int]] | None:
+        """The steady rows' tokens: those that end no request appended with one short loop, no per-row checks; the
+        rows this step may end (a stop token, or near a length limit) returned for the general update.
 
-        None: some row may stop (a stop token, or near a length limit), so the general update looks at each row.
-        The steady batch is still the scheduler's and no row left or joined it since the step was packed, so its
-        rows are the step's first rows, in order."""
+        None: so many rows may end that the general update looks at all of them. The steady batch is still the
+        scheduler's and no row left or joined it since the step was packed, so its rows are the step's first rows,
+        in order."""
         sb = st.batch.steady
         tokens = result.token_ids[:len(sb)]
-        if sb.near_length_limit() or sb.hits_stop_token(tokens):
+        risky = sb.rows_that_may_end(tokens)
+        if len(risky) > len(sb) // 4:
             return None
-        sb.accept(tokens)
+        keep = None
+        if len(risky):
+            keep = np.ones(len(sb), dtype=bool)
+            keep[risky] = False
+        sb.accept(tokens, keep)
         bm = self.block_manager
         if bm.enable_prefix_caching:
             for row in sb.rows_to_hash():  # blocks that just filled up, for later prefix hits
-                req = sb.requests[row]
-                bm.register_full_blocks(req, req.num_computed_tokens)
-                sb.hashed_blocks[row] = len(req.block_hashes)
-        return sb.events(tokens)
+                if keep is None or keep[row]:  # a risky row's token is not appended yet: hashed after its update
+                    req = sb.requests[row]
+                    bm.register_full_blocks(req, req.num_computed_tokens)
+                    sb.hashed_blocks[row] = len(req.block_hashes)
+        return sb.events(tokens, keep), risky.tolist()
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

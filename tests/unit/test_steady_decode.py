@@ -136,3 +136,53 @@ def test_abort_inside_a_steady_run_returns_every_block(root, async_pipeline):
         assert kv_blocks_used_after_settling(engine) == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_rows_that_may_end_take_the_general_rules_inside_a_steady_step(root, async_pipeline, monkeypatch):
+    """16 rows of spread lengths, two with a stop token: steps where a few rows near their limit or sample a stop
+    token update only those rows by the general rules and the rest as steady rows; tokens, finish reasons, streamed
+    tokens and freed blocks equal the general path's."""
+    from backend.core.step_update import StepUpdater
+
+    path = build_tiny("llama", root)
+    prompts = random_prompts([5 + (i * 7) % 13 for i in range(16)], seed=81)
+    stop_tok = hf_greedy(path, prompts[3], 20)[11]
+    params = [greedy(12 + (i * 5) % 23) for i in range(16)]
+    params[3] = greedy(30, stop_token_ids=[stop_tok])
+    params[9] = SamplingParams(max_tokens=30, temperature=0.9, seed=4, stop_token_ids=[stop_tok], ignore_eos=True)
+    risky_steps = []
+    original = StepUpdater._update_steady
+
+    def spy(self, st, result):
+        out = original(self, st, result)
+        if out is not None and out[1]:
+            risky_steps.append(len(out[1]))
+        return out
+
+    monkeypatch.setattr(StepUpdater, "_update_steady", spy)
+
+    def run(steady):
+        engine = make_engine(path, async_pipeline, steady=steady)
+        try:
+            streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+            streamed, finals = [], []
+            for s in streams:
+                tokens = []
+                for out in s:
+                    tokens += out.delta_token_ids
+                    if out.finished:
+                        finals.append(out)
+                streamed.append(tokens)
+            return finals, streamed, kv_blocks_used_after_settling(engine)
+        finally:
+            engine.shutdown()
+
+    on, on_streamed, on_blocks = run(True)
+    assert risky_steps and max(risky_steps) <= 4  # the hybrid update ran, with at most a quarter of the rows
+    off, off_streamed, off_blocks = run(False)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.finish_reason for o in on] == [o.finish_reason for o in off]
+    assert on[3].finish_reason == "stop" and len(on[3].token_ids) == 12
+    assert on_streamed == [o.token_ids for o in on] and off_streamed == [o.token_ids for o in off]
+    assert on_blocks == off_blocks == 0
