@@ -11,7 +11,7 @@ from scripts.tritonserver_env import REPO_ROOT
 
 
 def test_open_loop_rates_through_tritonserver():
-    num = 24
+    num = 12
     cmd = [sys.executable, "-m", "bench.serve_bench", "--model", "stand-in", "--rates", "30,0.5x",
            "--mix-requests", str(num), "--decoding", "sampled", "--set", "device=cpu", "--set", "num_kv_blocks=2048"]
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
