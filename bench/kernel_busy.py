@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from backend.runtime.timeline import union_length
+
 
 def kernel_intervals(prof) -> list[tuple[float, float]]:
     """(start, end) µs of every kernel in a finished torch.profiler run (copies and memsets left out)."""
@@ -22,21 +24,6 @@ def kernel_intervals(prof) -> list[tuple[float, float]]:
             continue
         out.append((e.time_range.start, e.time_range.end))
     return out
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by the intervals (overlaps counted once)."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
 
 
 def run_with_kernel_busy(fn: Callable[[], object]) -> tuple[object, float, float]:

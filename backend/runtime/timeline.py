@@ -26,6 +26,21 @@ class Span:
 MAX_SPANS = 500_000  # about 45,000 steps: a whole benchmark, or a server's last minutes (older spans drop off)
 
 
+def union_length(intervals) -> float:
+    """Total length the (start, end) intervals cover, overlaps counted once."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
 class Timeline:
     """Records spans at low cost when enabled; switchable at run time; does nothing when disabled."""
 
@@ -166,16 +181,7 @@ class Timeline:
             return {"gpu_busy_fraction": 0.0, "cpu_us_per_step": 0.0, "steps": 0, "wall_s": 0.0}
         start = min([g[0] for g in gpu] + [c.start for c in cpu])
         end = max([g[1] for g in gpu] + [c.end for c in cpu])
-        busy, cur_s, cur_e = 0.0, None, None
-        for s, e in gpu:  # union of intervals
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    busy += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            busy += cur_e - cur_s
+        busy = union_length(gpu)
         per_step: dict[int, float] = {}
         by_name: dict[str, list[float]] = {}
         for s in cpu:

@@ -21,6 +21,20 @@ def make_engine(path, async_pipeline, steady=True, **kw) -> Engine:
     return Engine(EngineConfig(**settings))
 
 
+def stream_all(engine, prompts, params):
+    """Every request streamed: (final outputs, the tokens each stream delivered)."""
+    streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    streamed, finals = [], []
+    for s in streams:
+        tokens = []
+        for out in s:
+            tokens += out.delta_token_ids
+            if out.finished:
+                finals.append(out)
+        streamed.append(tokens)
+    return finals, streamed
+
+
 def greedy(n, **kw):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
@@ -87,15 +101,7 @@ def _run_mixed(path, async_pipeline, steady):
     ]
     engine = make_engine(path, async_pipeline, steady=steady, max_num_seqs=3)  # two of them join later
     try:
-        streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        streamed, finals = [], []
-        for s in streams:
-            tokens = []
-            for out in s:
-                tokens += out.delta_token_ids
-                if out.finished:
-                    finals.append(out)
-            streamed.append(tokens)
+        finals, streamed = stream_all(engine, prompts, params)
         return finals, streamed, engine.scheduler.num_steady_steps
     finally:
         engine.shutdown()
@@ -165,15 +171,7 @@ def test_rows_that_may_end_take_the_general_rules_inside_a_steady_step(root, asy
     def run(steady):
         engine = make_engine(path, async_pipeline, steady=steady)
         try:
-            streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-            streamed, finals = [], []
-            for s in streams:
-                tokens = []
-                for out in s:
-                    tokens += out.delta_token_ids
-                    if out.finished:
-                        finals.append(out)
-                streamed.append(tokens)
+            finals, streamed = stream_all(engine, prompts, params)
             return finals, streamed, kv_blocks_used_after_settling(engine)
         finally:
             engine.shutdown()

@@ -84,3 +84,10 @@ def test_engine_stats_carry_the_recent_gpu_busy_fraction_with_the_timeline_on(tm
         assert 0.0 < busy <= 1.0
     finally:
         engine.shutdown()
+
+
+def test_union_length_counts_overlaps_once():
+    from backend.runtime.timeline import union_length
+
+    assert union_length([]) == 0.0
+    assert union_length([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (3.0, 4.0), (6.0, 6.5)]) == 6.0  # [0, 4] and [5, 7]
