@@ -13,9 +13,29 @@ packed, or that samples a stop token or nears a length limit, is the general one
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from backend.request import Request
+
+
+@dataclass(slots=True)
+class PackedRows:
+    """The steady rows as one step was packed from them: what that step's update needs once rows left or joined."""
+
+    streamed_rows: list[int]
+    streamed_ids: list[str]
+    stop_ids: frozenset
+    computed: np.ndarray  # (rows,) tokens counted, this step's included
+    token_cap: np.ndarray  # (rows,)
+
+    def rows_that_may_end(self, tokens: list[int]) -> np.ndarray:
+        """As SteadyBatch.rows_that_may_end, with one more token of margin: these counts predate the next step's."""
+        risky = self.computed + 3 >= self.token_cap
+        if not self.stop_ids.isdisjoint(tokens):
+            risky |= np.isin(np.asarray(tokens), np.fromiter(self.stop_ids, dtype=np.int64))
+        return np.flatnonzero(risky)
 
 
 class SteadyBatch:
@@ -41,6 +61,7 @@ class SteadyBatch:
         # sampled, their output row there
         self.joiners: list[Request] = []
         self.joiner_rows: dict[int, int] = {}
+        self.packed_rows: dict[int, PackedRows] = {}  # by version: the rows of the steps packed lately
 
     def _columns(self, reqs: list[Request], src_rows: np.ndarray) -> tuple[np.ndarray, ...]:
         """The per-row arrays (in _ARRAYS order) for reqs, read from the requests themselves."""
@@ -103,6 +124,11 @@ class SteadyBatch:
         self.src_rows = self.rows.copy()
         n = len(self.requests)
         self.joiner_rows = {id(r): row for row, r in enumerate(sampled[n:], start=n)} if len(sampled) > n else {}
+        # the lists below are replaced, never changed in place, when rows leave or join: references suffice
+        self.packed_rows[self.version] = PackedRows(self.streamed_rows, self.streamed_ids, self.stop_ids,
+                                                    self.computed.copy(), self.token_cap)
+        while len(self.packed_rows) > 3:  # the steps in flight need theirs; versions may jump several a step
+            del self.packed_rows[next(iter(self.packed_rows))]  # the oldest (dicts keep insertion order)
 
     def take_joiners(self) -> None:
         """Joiners whose prompt is done and whose first token the last step sampled become rows (at the end)."""

@@ -9,6 +9,7 @@ import numpy as np
 
 from backend.core.kv_cache import BlockManager
 from backend.core.scheduler import Scheduler
+from backend.core.steady_batch import PackedRows
 from backend.outputs.processor import StepEvent
 from backend.request import FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
 
@@ -30,8 +31,11 @@ class StepUpdater:
         reason, next_state) ends a request (the engine's, which calls finish() below and forgets the request)."""
         sb, first, risky = st.batch.steady, 0, []
         events: list[StepEvent | tuple[str, int]] = []
-        if sb is not None and sb is self.scheduler.steady and st.steady_version == sb.version:
-            steady = self._update_steady(st, result)
+        if sb is not None and sb is self.scheduler.steady:
+            if st.steady_version == sb.version:
+                steady = self._update_steady(st, result)
+            else:  # rows left or joined since the step was packed: its rows as packed
+                steady = self._update_packed_rows(st, result, sb.packed_rows.get(st.steady_version))
             if steady is not None:  # the steady rows are done but the risky ones; joiners follow the general rules
                 (events, risky), first = steady, st.batch.num_steady_rows
         rows = [*risky, *range(first, len(result.requests))]
@@ -107,6 +111,38 @@ class StepUpdater:
                     bm.register_full_blocks(req, req.num_computed_tokens)
                     sb.hashed_blocks[row] = len(req.block_hashes)
         return sb.events(tokens, keep), risky.tolist()
+
+    def _update_packed_rows(self, st: StepState, result: StepResult, packed: PackedRows | None
+                            ) -> tuple[list[tuple[str, int]], list[int]] | None:
+        """_update_steady for a step whose rows changed after it was packed: each row's token appended, or dropped
+        where the request finished meanwhile; the rows it may end returned for the general update. Rows that
+        filled a KV block are hashed here (those whose count reached a block's end); None: the general update."""
+        if packed is None:
+            return None
+        n = len(packed.computed)
+        tokens, requests = result.token_ids[:n], result.requests[:n]
+        risky = packed.rows_that_may_end(tokens)
+        if len(risky) > n // 4:
+            return None
+        keep = np.ones(n, dtype=bool)
+        keep[risky] = False
+        kept = keep.tolist()
+        for i, (req, tok) in enumerate(zip(requests, tokens)):
+            if not kept[i]:
+                continue
+            if req.is_finished:  # finished while this step was queued: its token is dropped, and no event
+                req.drop_pending()
+                kept[i] = False
+                continue
+            req.num_pending -= 1
+            req.output_token_ids.append(tok)
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            for row in np.flatnonzero(packed.computed % bm.block_size == 0).tolist():
+                if kept[row]:
+                    bm.register_full_blocks(requests[row], requests[row].num_computed_tokens)
+        events = [(rid, tokens[i]) for rid, i in zip(packed.streamed_ids, packed.streamed_rows) if kept[i]]
+        return events, risky.tolist()
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

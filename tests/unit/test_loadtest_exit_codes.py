@@ -2,7 +2,6 @@
 stand-in HTTP server on this machine, or a port nothing listens on."""
 from __future__ import annotations
 
-import csv
 import json
 import socket
 import subprocess
@@ -68,9 +67,9 @@ def test_loadtest_run_and_locust_exit_1_on_failures_and_back_off_from_a_lost_ser
     assert summary["failures"]["count"] > 0 and summary["passed"] is False
     message = next(iter(summary["failures"]["messages"]))
     assert f"cannot reach Triton over HTTP at 127.0.0.1:{port}" in message
-    with (out / "locust_stats.csv").open() as f:
-        failed = {row["Name"]: int(row["Failure Count"]) for row in csv.DictReader(f)}["e2e"]
-    # 2 users backing off 0.5, 1, 2 s: a handful of tries in 3 s, not thousands
+    # from the per-request samples: Locust's CSV is written on a timer and, on a loaded machine, may not hold the
+    # e2e row yet. 2 users backing off 0.5, 1, 2 s: a handful of tries in 3 s, not thousands
+    failed = summary["failures"]["count"]
     assert 2 <= failed <= 12, failed
 
 

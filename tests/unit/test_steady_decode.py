@@ -147,8 +147,9 @@ def test_abort_inside_a_steady_run_returns_every_block(root, async_pipeline):
 @pytest.mark.parametrize("async_pipeline", MODES)
 def test_rows_that_may_end_take_the_general_rules_inside_a_steady_step(root, async_pipeline, monkeypatch):
     """16 rows of spread lengths, two with a stop token: steps where a few rows near their limit or sample a stop
-    token update only those rows by the general rules and the rest as steady rows; tokens, finish reasons, streamed
-    tokens and freed blocks equal the general path's."""
+    token update only those rows by the general rules and the rest as steady rows, also when rows left the run
+    after the step was packed (its rows as packed); tokens, finish reasons, streamed tokens and freed blocks equal
+    the general path's."""
     from backend.core.step_update import StepUpdater
 
     path = build_tiny("llama", root)
@@ -167,6 +168,15 @@ def test_rows_that_may_end_take_the_general_rules_inside_a_steady_step(root, asy
         return out
 
     monkeypatch.setattr(StepUpdater, "_update_steady", spy)
+    packed_updates = []  # steps updated from their rows as packed (rows had left or joined since)
+    original_packed = StepUpdater._update_packed_rows
+
+    def spy_packed(self, st, result, packed):
+        out = original_packed(self, st, result, packed)
+        packed_updates.append(out is not None)
+        return out
+
+    monkeypatch.setattr(StepUpdater, "_update_packed_rows", spy_packed)
 
     def run(steady):
         engine = make_engine(path, async_pipeline, steady=steady)
@@ -178,6 +188,7 @@ def test_rows_that_may_end_take_the_general_rules_inside_a_steady_step(root, asy
 
     on, on_streamed, on_blocks = run(True)
     assert risky_steps and max(risky_steps) <= 4  # the hybrid update ran, with at most a quarter of the rows
+    assert any(packed_updates) == async_pipeline  # only a queued step sees rows change before its update
     off, off_streamed, off_blocks = run(False)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert [o.finish_reason for o in on] == [o.finish_reason for o in off]
