@@ -131,21 +131,25 @@ class SteadyBatch:
             del self.packed_rows[next(iter(self.packed_rows))]  # the oldest (dicts keep insertion order)
 
     def take_joiners(self) -> None:
-        """Joiners whose prompt is done and whose first token the last step sampled become rows (at the end)."""
-        for req in list(self.joiners):
-            src = self.joiner_rows.get(id(req))
-            if (src is not None and req.num_tokens - req.num_computed_tokens == 1
-                    and req.num_computed_tokens >= req.num_prompt_tokens and self.eligible(req)):
-                self.joiners.remove(req)
-                self._append(req, src)
+        """Joiners whose prompt is done and whose first token the last step sampled become rows (at the end), all
+        in one append: the arrays and the row index are rebuilt once however many join."""
+        ready = [(req, self.joiner_rows.get(id(req))) for req in self.joiners]
+        ready = [(req, src) for req, src in ready
+                 if src is not None and req.num_tokens - req.num_computed_tokens == 1
+                 and req.num_computed_tokens >= req.num_prompt_tokens and self.eligible(req)]
+        if not ready:
+            return
+        joined = {id(req) for req, _ in ready}
+        self.joiners = [req for req in self.joiners if id(req) not in joined]
+        self._append([req for req, _ in ready], np.array([src for _, src in ready]))
 
-    def _append(self, req: Request, src_row: int) -> None:
-        self.requests.append(req)
-        self.request_ids.append(req.request_id)
-        row = self._columns([req], np.array([src_row]))
-        self._set_arrays(np.concatenate([getattr(self, name), part]) for name, part in zip(self._ARRAYS, row))
-        self.stop_ids |= req.stop_ids
-        self.all_plain_greedy = self.all_plain_greedy and req.plain_greedy
+    def _append(self, reqs: list[Request], src_rows: np.ndarray) -> None:
+        self.requests.extend(reqs)
+        self.request_ids.extend(r.request_id for r in reqs)
+        rows = self._columns(reqs, src_rows)
+        self._set_arrays(np.concatenate([getattr(self, name), part]) for name, part in zip(self._ARRAYS, rows))
+        self.stop_ids = self.stop_ids.union(*(r.stop_ids for r in reqs))
+        self.all_plain_greedy = self.all_plain_greedy and all(r.plain_greedy for r in reqs)
         self._index_rows()
         self.version += 1
 
