@@ -26,12 +26,28 @@ def kernel_intervals(prof) -> list[tuple[float, float]]:
     return out
 
 
-def run_with_kernel_busy(fn: Callable[[], object]) -> tuple[object, float, float]:
-    """Run fn under torch.profiler's CUDA activity; return (its result, wall seconds, kernel-busy fraction)."""
+def kernel_table(prof, top: int) -> list[dict]:
+    """The `top` kernels by total GPU time in a finished torch.profiler run: name, calls, ms, share of kernel time."""
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.name.startswith(("Memcpy", "Memset")):
+            continue
+        entry = totals.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.end - e.time_range.start
+    all_us = sum(us for _, us in totals.values()) or 1.0
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [dict(name=name[:90], calls=calls, ms=round(us / 1e3, 2), share=round(us / all_us, 4))
+            for name, (calls, us) in rows]
+
+
+def run_with_kernel_busy(fn: Callable[[], object], top: int = 0) -> tuple[object, float, float, list[dict]]:
+    """Run fn under torch.profiler's CUDA activity; return (its result, wall seconds, kernel-busy fraction, the top
+    kernels by time when top > 0)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         result = fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     busy_us = union_length(kernel_intervals(prof))
-    return result, wall, busy_us / 1e6 / wall
+    return result, wall, busy_us / 1e6 / wall, kernel_table(prof, top) if top else []

@@ -116,9 +116,9 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
             torch.cuda.reset_peak_memory_stats()
         engine.set_timeline(True)
         run = lambda: stream_all(engine, prompts, params) if args.stream else engine.generate(prompts, params)  # noqa: E731
-        kernel_busy = None
-        if args.kernel_busy and engine.device.type == "cuda":
-            outs, wall, kernel_busy = run_with_kernel_busy(run)
+        kernel_busy, kernels = None, []
+        if (args.kernel_busy or args.kernel_top) and engine.device.type == "cuda":
+            outs, wall, kernel_busy, kernels = run_with_kernel_busy(run, args.kernel_top)
         else:
             start = time.perf_counter()
             outs = run()
@@ -134,6 +134,8 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
                       preemptions=engine.stats()["preemptions"], cpu_us_by_phase=summary["cpu_us_by_phase"])
         if kernel_busy is not None:  # the same run under torch.profiler: its kernel union over the wall time
             result["gpu_kernel_busy"] = round(kernel_busy, 4)
+        for k in kernels:
+            print(f"kernel  {k['ms']:10.2f} ms  {k['share']:6.1%}  {k['calls']:7d} calls  {k['name']}", flush=True)
         if wl.traffic is not None:
             stats = engine.stats()
             queries = stats["prefix_cache_queries"] - hits_before[1]
@@ -209,6 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread; print the top functions")
     ap.add_argument("--kernel-busy", action="store_true",
                     help="CUDA: run under torch.profiler and report its kernel time over the wall (gpu_kernel_busy)")
+    ap.add_argument("--kernel-top", type=int, default=0, metavar="N",
+                    help="CUDA: as --kernel-busy, and print the N kernels that took the most GPU time")
     ap.add_argument("--decoding", default="greedy,sampled",
                     help="for the mix workloads: greedy, sampled (T 0.7-0.8, top-p 0.95, seeded) or both")
     ap.add_argument("--compare-new-tokens", type=int, default=None,
