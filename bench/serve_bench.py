@@ -239,8 +239,11 @@ def open_loop_main(args) -> int:
         for i, rate in enumerate(rates):
             result = asyncio.run(_open_loop(f"localhost:{grpc}", requests, poisson_arrivals(len(requests), rate, i),
                                             slo))
+            # offered: the output tok/s of these requests arriving at this rate, so 1.0 means the server kept up
+            offered = alone["output_tok_per_s"] * rate / alone["requests_per_s"]
             result.update(rate=round(rate, 3), vs_engine_tok_per_s=round(
-                result["output_tok_per_s"] / alone["output_tok_per_s"], 3))
+                result["output_tok_per_s"] / alone["output_tok_per_s"], 3),
+                vs_offered_tok_per_s=round(result["output_tok_per_s"] / offered, 3))
             levels.append(result)
             print("triton  " + "  ".join(f"{k}={v}" for k, v in result.items()), flush=True)
     finally:
