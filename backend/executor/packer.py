@@ -11,6 +11,7 @@ from backend.core.scheduler import ScheduledBatch
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
 from backend.executor.sampler import SamplingTensors, assemble_tensors, fill_host_rows, fill_padding_rows, \
     pad_token_table
+from backend.executor.steady_sampling import SteadySamplingRows, merge_flags
 from backend.request import Request
 
 
@@ -49,6 +50,7 @@ class SlotPacker:
         self.block_size = block_size
         self.device = device
         self._arange = np.arange(layout.max_seqs + 1)  # query_start_loc and logits_idx of decode-only steps
+        self._steady_sampling = SteadySamplingRows()  # the steady rows' settings, kept per steady-batch version
 
     def pack(self, batch: ScheduledBatch, prev: StepState | None) -> StepState:
         """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
@@ -220,9 +222,16 @@ class SlotPacker:
         host_f = slot.np["sampling_f"].reshape(6, S)
         host_i = slot.np["sampling_i"].reshape(2, S)
         host_k = slot.np["top_k"]
-        params = [r.params for r in reqs]
-        flags = fill_host_rows(params, [r.seed for r in reqs], [r.num_output_tokens - 1 for r in reqs],
-                           host_f[:, :n], host_i[:, :n], host_k[:n])
+        sb = st.batch.steady
+        # the steady rows lead the step's sampled rows, as packed (no row has left or joined since: same version)
+        first = st.batch.num_steady_rows if sb is not None and st.steady_version == sb.version else 0
+        flags = self._steady_sampling.fill(sb, host_f[:, :first], host_i[:, :first], host_k[:first]) if first else None
+        if n > first:  # joiners of a steady run, or every row of a general step
+            rest = reqs[first:]
+            more = fill_host_rows([r.params for r in rest], [r.seed for r in rest],
+                                  [r.num_output_tokens - 1 for r in rest],
+                                  host_f[:, first:n], host_i[:, first:n], host_k[first:n])
+            flags = more if flags is None else merge_flags(flags, more)
         if rows > n:
             fill_padding_rows(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])
         prompt = output = None

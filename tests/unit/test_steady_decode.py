@@ -119,6 +119,44 @@ def test_steady_runs_match_the_general_path(root, async_pipeline):
     assert on_steps > 0 and off_steps == 0
 
 
+def _run_sampled(path, async_pipeline, steady, monkeypatch):
+    """Eight seeded requests, each sampling with its own settings, four seats: rows finish and joiners take their
+    place. Returns (tokens of each, steps, calls that read sampling settings from requests)."""
+    from backend.executor import packer, steady_sampling
+
+    calls = []
+    for module in (packer, steady_sampling):
+        real = module.fill_host_rows
+        monkeypatch.setattr(module, "fill_host_rows", lambda *a, _real=real: calls.append(len(a[0])) or _real(*a))
+    prompts = random_prompts([7, 12, 5, 16, 9, 4, 11, 8], seed=63)
+    settings = [dict(temperature=0.8, top_k=20), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, min_p=0.1),
+                dict(temperature=1.2, top_k=5, top_p=0.8), dict(temperature=0.0), dict(temperature=0.9),
+                dict(temperature=0.6, top_p=0.5), dict(temperature=1.0, top_k=3)]
+    lengths = [30, 18, 25, 40, 12, 22, 35, 16]
+    params = [SamplingParams(max_tokens=n, seed=100 + i, ignore_eos=True, **kw)
+              for i, (n, kw) in enumerate(zip(lengths, settings))]
+    engine = make_engine(path, async_pipeline, steady=steady, max_num_seqs=4)
+    try:
+        outs = engine.generate(prompts, params)
+        assert [len(o.token_ids) for o in outs] == lengths
+        return [o.token_ids for o in outs], engine.stats()["steps"], len(calls)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_steady_rows_keep_their_sampling_settings_between_row_changes(root, async_pipeline, monkeypatch):
+    """The steady rows' sampling settings are read from the requests once per set of rows, not once a step (each
+    row's step index then moves with its token count), and the seeded draws are the general path's, token for
+    token."""
+    path = build_tiny("llama", root)
+    on, steps, reads_on = _run_sampled(path, async_pipeline, True, monkeypatch)
+    off, _, reads_off = _run_sampled(path, async_pipeline, False, monkeypatch)
+    assert on == off
+    assert reads_off >= steps - 1  # the general path reads them every step that samples
+    assert reads_on < steps // 2
+
+
 @pytest.mark.parametrize("async_pipeline", MODES)
 def test_abort_inside_a_steady_run_returns_every_block(root, async_pipeline):
     """The aborted request leaves the run as a deleted row; the others go on in steady steps, unchanged."""
