@@ -405,9 +405,11 @@ class Engine:
         }
         if self.timeline.enabled and self._steps % 256 == 0 and self._steps:
             # O(1): a summary over 256 steps' spans (and resolving their events at once) stalled the loop for ms
-            snap["gpu_busy_fraction"] = self.timeline.recent_busy_fraction()
+            snap["gpu_busy_fraction"] = self.timeline.recent_busy_fraction()  # exact spans: kernel time
+            snap["gpu_busy_uncertain_fraction"] = self.timeline.recent_uncertain_fraction()  # same 256 steps
         elif "gpu_busy_fraction" in self._stats_snapshot:
-            snap["gpu_busy_fraction"] = self._stats_snapshot["gpu_busy_fraction"]
+            for key in ("gpu_busy_fraction", "gpu_busy_uncertain_fraction"):
+                snap[key] = self._stats_snapshot[key]
         self._stats_snapshot = snap
 
 

@@ -1,8 +1,8 @@
 """GPU busy as kernel time: the union of the CUDA kernel intervals torch.profiler (CUPTI) saw, over the wall time.
 
 The engine's timeline measures each step's device work as a span from event to event; where the launches come
-slower than the kernels run, the span holds idle gaps. This is the figure it is checked against
-(`python -m bench.offline ... --kernel-busy`).
+slower than the kernels run, the span holds idle gaps, so it counts such spans apart (gpu_busy_uncertain) and its
+gpu_busy from the others. This is the figure it is checked against (`python -m bench.offline ... --kernel-busy`).
 """
 from __future__ import annotations
 

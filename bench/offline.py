@@ -132,6 +132,8 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
                       gpu_busy=round(summary["gpu_busy_fraction"], 4),
                       cpu_us_per_step=round(summary["cpu_us_per_step"], 1), steps=summary["steps"],
                       preemptions=engine.stats()["preemptions"], cpu_us_by_phase=summary["cpu_us_by_phase"])
+        if summary["gpu_busy_uncertain_fraction"] > 0.02:  # eager spans that may hold launch gaps, beside gpu_busy
+            result["gpu_busy_uncertain"] = round(summary["gpu_busy_uncertain_fraction"], 4)
         if kernel_busy is not None:  # the same run under torch.profiler: its kernel union over the wall time
             result["gpu_kernel_busy"] = round(kernel_busy, 4)
         for k in kernels:
@@ -279,7 +281,7 @@ def _profile_engine_thread() -> None:
 
 def _row(r: dict) -> str:
     keys = ["engine", "mode", "decoding", "requests", "wall_s", "requests_per_s", "tok_per_s", "total_tok_per_s",
-            "prefix_hit_rate", "gpu_busy", "gpu_kernel_busy", "cpu_us_per_step", "roofline",
+            "prefix_hit_rate", "gpu_busy", "gpu_busy_uncertain", "gpu_kernel_busy", "cpu_us_per_step", "roofline",
             "peak_mem_gb", "steps", "preemptions", "all_tokens_exact", "cpu_us_by_phase"]
     return "  ".join(f"{k}={r[k]}" for k in keys if k in r)
 

@@ -144,9 +144,10 @@ class Pipeline:
     def other(self, slot: Slot) -> Slot:
         return self.slots[slot.index ^ 1]
 
-    def launch(self, slot: Slot, n_i64: int, n_i32: int, n_f32: int, compute: Callable[[], int],
+    def launch(self, slot: Slot, n_i64: int, n_i32: int, n_f32: int, compute: Callable[[], tuple[int, bool]],
                read_logprobs: bool) -> None:
-        """Queue H2D copy → compute (carry-over, forward, sample) → D2H copy; returns without waiting."""
+        """Queue H2D copy → compute (carry-over, forward, sample) → D2H copy; returns without waiting. compute
+        queues the step's device work and returns (rows sampled, whether that work was CUDA graph replays only)."""
         tl = self.timeline
         try:
             self._use(self.h2d_stream)
@@ -158,7 +159,7 @@ class Pipeline:
             if n_f32:  # 0: a plain-greedy graph step reads no sampling settings
                 dst, src = slot.leading_views("dev_f32", "host_f32", n_f32)
                 dst.copy_(src, non_blocking=True)
-            tl.gpu_end("h2d", self.h2d_stream)
+            tl.gpu_end("h2d", self.h2d_stream)  # two or three copies launched apart: the GPU's progress decides
             # why: compute may start only once this step's inputs are on the device
             slot.h2d_done.record(self.h2d_stream)
 
@@ -167,8 +168,9 @@ class Pipeline:
             # why: this slot's output buffers must have been copied back before they are overwritten
             slot.d2h_done.wait(self.compute_stream)
             tl.gpu_begin("compute", self.compute_stream)
-            rows = compute()
-            tl.gpu_end("compute", self.compute_stream)
+            rows, graph_replays_only = compute()
+            # a graph replay is one launch, its kernels back to back: the span holds no launch gaps
+            tl.gpu_end("compute", self.compute_stream, gap_free=graph_replays_only)
             # why: the D2H copy may start only when sampling has written the outputs
             slot.compute_done.record(self.compute_stream)
 
@@ -182,7 +184,8 @@ class Pipeline:
                 slot.host_ranks[:rows].copy_(slot.out_ranks[:rows], non_blocking=True)
                 slot.host_top_ids[:rows].copy_(slot.out_top_ids[:rows], non_blocking=True)
                 slot.host_top_logprobs[:rows].copy_(slot.out_top_logprobs[:rows], non_blocking=True)
-            tl.gpu_end("d2h", self.d2h_stream)
+            # the tokens alone are one copy, no launch gaps; with logprobs, five launches: the GPU's progress decides
+            tl.gpu_end("d2h", self.d2h_stream, gap_free=not read_logprobs)
             # why: the host waits on this event, the one blocking point of a step
             slot.d2h_done.record(self.d2h_stream)
         finally:

@@ -145,9 +145,9 @@ class ModelRunner:
         n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
         if bucket is not None and self._all_plain_greedy(st):
             # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare
-            def replay_only() -> int:
+            def replay_only() -> tuple[int, bool]:
                 self.graphs.replay(slot, bucket, width, max_len)
-                return bucket
+                return bucket, not self.graphs.eager
 
             self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, 0, replay_only, False)
             return
@@ -162,7 +162,9 @@ class ModelRunner:
         edits = logit_edits(st.sampled, self.device)
         prev_slot = self.pipeline.other(slot) if prev is not None and prev.row_of else None
 
-        def compute() -> int:
+        def compute() -> tuple[int, bool]:
+            """Queue the step's device work; returns (rows sampled, whether it was graph replays only)."""
+            replayed = (bucket is not None or tokens is not None) and not self.graphs.eager
             if bucket is not None:
                 logits = self.graphs.replay(slot, bucket, width, max_len)  # carry-over + forward + logits
             elif tokens is not None:
@@ -170,19 +172,19 @@ class ModelRunner:
             else:
                 logits = self._eager_forward(slot, B, T, width, max_len, max(batch.num_new_tokens), prev_slot, n)
             if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
-                return 0
+                return 0, replayed
             if (bucket or tokens) and edits is None and sampling.num_logprobs < 0:
                 if bucket is not None and sampling.all_greedy:
-                    return rows  # the graph already wrote the greedy tokens into this slot's outputs
+                    return rows, replayed  # the graph already wrote the greedy tokens into this slot's outputs
                 if self.graphs.samples and (slot.index, rows) in self.graphs.sampler_graphs:
                     self.graphs.replay_sampler(slot, rows)  # the fused sampler, captured for this many rows
-                    return rows
+                    return rows, replayed
             if edits is not None:  # min_tokens bans, logit_bias, allowed_token_ids, bad_words
                 edits.apply(logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:n]])
             if sampling.any_penalty:
                 self._append_input_tokens(slot, sampling, n)
             self.sampler.sample_into(logits[:rows], sampling, slot.targets)
-            return rows
+            return rows, False  # eager launches: the forward's, or the edits and sampler after a graph
 
         self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, slot.host_f32.numel(), compute,
                              st.read_logprobs)

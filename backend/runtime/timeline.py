@@ -1,4 +1,12 @@
-"""CPU and GPU spans of the engine loop: busy fraction, CPU time per step, Chrome trace and a PNG picture."""
+"""CPU and GPU spans of the engine loop: busy fraction, CPU time per step, Chrome trace and a PNG picture.
+
+A GPU span runs from an event recorded before a step's device work to one recorded after it. It is exact (kernel
+time, no idle gaps inside) when its work went to the GPU as graph replays or a single copy, or when the GPU had not
+reached its start event by the time every launch of the span was queued: the kernels then ran back to back. Other
+spans are uncertain: launched one kernel at a time while the GPU kept up, they may hold the gaps between launches.
+The busy figures count exact spans only (a lower bound, kernel time when nothing is uncertain); the uncertain share
+is the wall time that only uncertain spans cover, so busy + uncertain is the union of every span (an upper bound).
+"""
 from __future__ import annotations
 
 import collections
@@ -21,6 +29,7 @@ class Span:
     start: float
     end: float
     step: int
+    exact: bool = True  # GPU row: the span holds no launch gaps (see the module's docstring)
 
 
 MAX_SPANS = 500_000  # about 45,000 steps: a whole benchmark, or a server's last minutes (older spans drop off)
@@ -41,6 +50,22 @@ def union_length(intervals) -> float:
     return total
 
 
+class RunningUnion:
+    """Length covered by intervals added in the order they resolve, O(1) each; one that fills a gap left behind the
+    furthest end so far is missed, so it can read low."""
+
+    __slots__ = ("total", "end")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.end = 0.0
+
+    def add(self, start: float, end: float) -> None:
+        if end > self.end:
+            self.total += end - max(start, self.end)
+            self.end = end
+
+
 class Timeline:
     """Records spans at low cost when enabled; switchable at run time; does nothing when disabled."""
 
@@ -48,18 +73,19 @@ class Timeline:
         self.use_cuda = use_cuda
         self.enabled = False
         self.spans: collections.deque[Span] = collections.deque(maxlen=max_spans)
-        # (name, start event, end event, step), in recording order
-        self._pending_gpu: collections.deque[tuple[str, object, object, int]] = collections.deque()
+        # (name, start event, end event, step, exact), in recording order
+        self._pending_gpu: collections.deque[tuple[str, object, object, int, bool]] = collections.deque()
         self._open_gpu: dict[str, object] = {}
         self._free_events: list = []
         self._step = 0
         self._origin = time.perf_counter()
         self._anchor = None
-        # running GPU busy time, for the server's recent figure without a summary over thousands of spans: GPU
-        # spans merged in the order they resolve (a span that fills an earlier gap is missed, so it can read low)
-        self._busy_s = 0.0
-        self._busy_end = 0.0
-        self._mark = (0.0, 0.0)  # (busy seconds, time) when recent_busy_fraction last answered
+        # running GPU time, for the server's recent figures without a summary over thousands of spans: the union of
+        # the exact spans, and of every span (the uncertain share is their difference)
+        self._exact = RunningUnion()
+        self._covered = RunningUnion()
+        self._mark = (0.0, 0.0, 0.0)  # (exact seconds, covered seconds, time) when recent_busy_fraction last answered
+        self._recent_uncertain = 0.0
         # the loop resolves events each step; summary() may resolve the rest from another thread (a benchmark)
         self._resolve_lock = threading.Lock()
         if enabled:
@@ -70,8 +96,9 @@ class Timeline:
         self.spans.clear()
         self._pending_gpu.clear()
         self._step = 0
-        self._busy_s = self._busy_end = 0.0
-        self._mark = (0.0, 0.0)
+        self._exact, self._covered = RunningUnion(), RunningUnion()
+        self._mark = (0.0, 0.0, 0.0)
+        self._recent_uncertain = 0.0
         if self.use_cuda:
             # why: GPU spans are placed on the host clock relative to this event, so it must have executed
             self._anchor = torch.cuda.Event(enable_timing=True)
@@ -114,22 +141,29 @@ class Timeline:
         else:
             self._open_gpu[name] = self.now()
 
-    def gpu_end(self, name: str, stream) -> None:
+    def gpu_end(self, name: str, stream, gap_free: bool = False) -> None:
+        """End the span `name` on stream, once its work is queued. gap_free: the launcher knows that work holds no
+        launch gaps (graph replays, one copy), so the span is exact whatever the GPU's progress."""
         if not self.enabled or name not in self._open_gpu:
             return
         start = self._open_gpu.pop(name)
         if self.use_cuda:
+            # why: a start event the GPU has not executed yet means every launch of the span was queued before the
+            # GPU got there, so its kernels run back to back; one already executed means the GPU may have idled
+            # between launches. Asked before the end event is recorded, which is the last thing queued.
+            exact = gap_free or not start.query()
             ev = self._event()
             ev.record(stream)  # why: the end of this stream's work for the span
-            self._pending_gpu.append((name, start, ev, self._step))
+            self._pending_gpu.append((name, start, ev, self._step, exact))
         else:
+            # exact: the CPU runs the span's work synchronously inside it, so no device sits idle between launches
             self._add_gpu_span(Span("gpu", name, start, self.now(), self._step))
 
     def _add_gpu_span(self, span: Span) -> None:
         self.spans.append(span)
-        if span.end > self._busy_end:
-            self._busy_s += span.end - max(span.start, self._busy_end)
-            self._busy_end = span.end
+        if span.exact:
+            self._exact.add(span.start, span.end)
+        self._covered.add(span.start, span.end)
 
     def _resolve_finished(self) -> None:
         """Resolve the oldest pending spans whose steps are behind us, each step a few: spread out, not a burst
@@ -138,9 +172,9 @@ class Timeline:
         while pending and pending[0][3] < self._step - 1 and pending[0][2].query():
             self._resolve_one(*pending.popleft())
 
-    def _resolve_one(self, name: str, s, e, step: int) -> None:
+    def _resolve_one(self, name: str, s, e, step: int, exact: bool) -> None:
         self._add_gpu_span(Span("gpu", name, self._anchor.elapsed_time(s) / 1e3, self._anchor.elapsed_time(e) / 1e3,
-                                step))
+                                step, exact))
         self._free_events += (s, e)  # both done (s was recorded before e on the same stream): reusable
 
     def resolve(self) -> None:
@@ -155,12 +189,23 @@ class Timeline:
             self._pending_gpu = still
 
     def recent_busy_fraction(self) -> float:
-        """GPU busy share of the wall time since the previous call (or since enable), from the running total: O(1),
-        so the engine loop can report it without a summary over the recorded spans."""
+        """Share of the wall time since the previous call (or since enable) that exact GPU spans cover, from the
+        running totals: O(1), so the engine loop can report it without a summary over the recorded spans. Also
+        sets the same window's uncertain share, for recent_uncertain_fraction()."""
         now = self.now()
-        busy, since = self._mark
-        self._mark = (self._busy_s, now)
-        return min(1.0, (self._busy_s - busy) / max(now - since, 1e-9))
+        exact0, covered0, since = self._mark
+        exact, covered = self._exact.total, self._covered.total
+        self._mark = (exact, covered, now)
+        wall = max(now - since, 1e-9)
+        busy = min(1.0, (exact - exact0) / wall)
+        # both running unions can read low, each by its own missed gaps: the difference is kept within [0, 1 - busy]
+        self._recent_uncertain = min(1.0 - busy, max(0.0, (covered - covered0) - (exact - exact0)) / wall)
+        return busy
+
+    def recent_uncertain_fraction(self) -> float:
+        """Share of the wall time that uncertain GPU spans cover and exact ones do not, over the window the last
+        recent_busy_fraction() call answered for."""
+        return self._recent_uncertain
 
     def _event(self):
         """A timing event, reused once resolved: six a step would otherwise be created and destroyed."""
@@ -172,16 +217,19 @@ class Timeline:
         return self._step
 
     def summary(self) -> dict:
-        """GPU busy fraction over the recorded window and median CPU time per step (wait excluded)."""
+        """GPU busy fraction (exact spans) and uncertain share over the recorded window, and median CPU time per
+        step (wait excluded)."""
         self.resolve()
         spans = self.spans
-        gpu = sorted((s.start, s.end) for s in spans if s.row == "gpu")
+        gpu = [s for s in spans if s.row == "gpu"]
         cpu = [s for s in spans if s.row == "cpu"]
         if not gpu and not cpu:
-            return {"gpu_busy_fraction": 0.0, "cpu_us_per_step": 0.0, "steps": 0, "wall_s": 0.0}
-        start = min([g[0] for g in gpu] + [c.start for c in cpu])
-        end = max([g[1] for g in gpu] + [c.end for c in cpu])
-        busy = union_length(gpu)
+            return {"gpu_busy_fraction": 0.0, "gpu_busy_uncertain_fraction": 0.0, "cpu_us_per_step": 0.0,
+                    "steps": 0, "wall_s": 0.0}
+        start = min([g.start for g in gpu] + [c.start for c in cpu])
+        end = max([g.end for g in gpu] + [c.end for c in cpu])
+        busy = union_length([(g.start, g.end) for g in gpu if g.exact])
+        covered = union_length([(g.start, g.end) for g in gpu])
         per_step: dict[int, float] = {}
         by_name: dict[str, list[float]] = {}
         for s in cpu:
@@ -191,6 +239,7 @@ class Timeline:
         wall = max(end - start, 1e-9)
         return {
             "gpu_busy_fraction": busy / wall,
+            "gpu_busy_uncertain_fraction": max(0.0, covered - busy) / wall,
             "cpu_us_per_step": statistics.median(per_step.values()) * 1e6 if per_step else 0.0,
             "cpu_us_by_phase": {k: round(statistics.median(v) * 1e6, 1) for k, v in by_name.items()},
             "steps": len(per_step),
@@ -202,7 +251,8 @@ class Timeline:
         self.resolve()
         events = [
             {"name": s.name, "ph": "X", "pid": 0, "tid": 0 if s.row == "cpu" else 1,
-             "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6, "args": {"step": s.step}}
+             "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6,
+             "args": {"step": s.step} if s.row == "cpu" else {"step": s.step, "exact": s.exact}}
             for s in self.spans
         ]
         events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}

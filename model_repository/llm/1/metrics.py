@@ -170,7 +170,11 @@ class ServingMetrics:
             "waiting": _family("tandem_num_requests_waiting", "Requests waiting to be scheduled", gauge),
             "kv_usage": _family("tandem_kv_cache_usage_ratio", "Share of KV blocks in use (0..1)", gauge),
             "kv_used": _family("tandem_kv_cache_blocks_used", "KV blocks in use", gauge),
-            "gpu_busy": _family("tandem_gpu_busy_ratio", "Share of wall time with GPU work queued", gauge),
+            "gpu_busy": _family("tandem_gpu_busy_ratio",
+                                "Share of wall time the GPU was busy, from spans known to hold no launch gaps", gauge),
+            "gpu_busy_uncertain": _family("tandem_gpu_busy_uncertain_ratio",
+                                          "Share of wall time covered by eagerly launched GPU spans whose kernel time "
+                                          "the timeline cannot know", gauge),
             "healthy": _family("tandem_engine_healthy", "1 while the engine loop serves, 0 once it stopped", gauge),
         }
         f = self._families
@@ -184,7 +188,7 @@ class ServingMetrics:
         self.finished = {r: _Counter(f["requests"].Metric(labels={**labels, "finish_reason": r}))
                          for r in FINISH_REASONS}
         self._preemptions = f["preemptions"].Metric(labels=labels)
-        gauges = ("running", "waiting", "kv_usage", "kv_used", "gpu_busy", "healthy")
+        gauges = ("running", "waiting", "kv_usage", "kv_used", "gpu_busy", "gpu_busy_uncertain", "healthy")
         self._gauges = {k: f[k].Metric(labels=labels) for k in gauges}
         self._preemptions_seen = 0
 
@@ -215,6 +219,7 @@ class ServingMetrics:
         g["kv_used"].set(float(used))
         g["kv_usage"].set(used / total if total else 0.0)
         g["gpu_busy"].set(float(stats.get("gpu_busy_fraction", 0.0) or 0.0))
+        g["gpu_busy_uncertain"].set(float(stats.get("gpu_busy_uncertain_fraction", 0.0) or 0.0))
         g["healthy"].set(1.0 if stats.get("healthy", True) else 0.0)
         if self.vllm is not None:
             self.vllm.gauges["running"].set(float(stats.get("running", 0)))
