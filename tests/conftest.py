@@ -3,11 +3,20 @@ interpreter instead.
 
 Without CUDA, TRITON_INTERPRET=1 is set here, before any test module imports a Triton-language kernel (Triton
 reads it when a kernel is defined), and the interpreter gets a GPU's bf16 numerics (tests/triton_interpreter.py).
-So `pytest tests` on a CPU machine also runs tests/kernels and the engine on the Triton path, interpreted."""
+So `pytest tests` on a CPU machine also runs tests/kernels and the engine on the Triton path, interpreted.
+
+One OpenMP thread per process unless OMP_NUM_THREADS says otherwise: `make test` runs two workers on two cores, and
+each starts tritonservers, stubs and tools (which inherit the variable). With torch's default of one thread per core
+in every one of them, threads spin-waiting at the end of each parallel region took the cores from the processes that
+had work: a transformers decode step took three times as long as with one thread."""
 import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch (and numpy's BLAS) read it
 
 import pytest
 import torch
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
 CUDA = torch.cuda.is_available()
 if not CUDA:

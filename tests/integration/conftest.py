@@ -44,12 +44,19 @@ class TritonServer:
         return stub_pids(str(self.model_repository))
 
 
-def launch_server(root: Path, parameters: dict[str, str], extra_args: list[str] | None = None) -> TritonServer:
-    """Start a tritonserver on free ports serving our model with `parameters`; wait until the model is ready."""
+def launch_server(root: Path, parameters: dict[str, str], extra_args: list[str] | None = None,
+                  exit_timeout_s: int = 30) -> TritonServer:
+    """Start a tritonserver on free ports serving our model with `parameters`; wait until the model is ready.
+
+    config.pbtxt is complete, so Triton's auto-complete is off here: each load then starts one python-backend stub
+    (the instance's), not first a second one that only imports model.py. The servers started as in production
+    (scripts.serve, and start_server in test_clean_shutdown.py, test_model_instances.py, bench.serve_bench) keep it.
+    exit_timeout_s: how long a SIGTERM waits for models to unload (a dead stub's never does)."""
     repo = make_model_repository(root, parameters)
     log_path = root / "tritonserver.log"
     http, grpc, metrics = free_port(), free_port(), free_port()
-    args = ["--model-control-mode=explicit", f"--load-model={MODEL_NAME}", "--exit-timeout-secs=30"]
+    args = ["--model-control-mode=explicit", f"--load-model={MODEL_NAME}", f"--exit-timeout-secs={exit_timeout_s}",
+            "--disable-auto-complete-config"]
     proc = start_server(repo, http, grpc, metrics, args + list(extra_args or []), log_path=log_path)
     server = TritonServer(f"localhost:{grpc}", f"localhost:{http}", f"http://localhost:{metrics}/metrics",
                           MODEL_NAME, log_path, repo, proc)

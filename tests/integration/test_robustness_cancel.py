@@ -1,4 +1,4 @@
-"""Nothing lost under cancellation: 200 streams cancelled at random points over gRPC and HTTP, on a real server.
+"""Nothing lost under cancellation: 80 streams cancelled at random points over gRPC and HTTP, on a real server.
 
 Criteria, measured on the server's own metrics endpoint:
 - every request ends: running + waiting return to 0 within a few seconds of the last cancel, and
@@ -29,7 +29,7 @@ from loadtest.server_metrics import ServerMetrics
 
 pytestmark = pytest.mark.integration
 
-NUM_REQUESTS = 200
+NUM_REQUESTS = 80  # a few times CONCURRENCY: requests queue, start and end while others are cancelled
 CONCURRENCY = 24  # streams open at once: a CPU-sized batch
 MAX_TOKENS = 200  # never reached: every request is cancelled first
 MAX_CANCEL_AFTER = 32  # cancel after 1..32 received tokens (or, for some, before the first token)
@@ -55,7 +55,7 @@ class Outcome:
 
 def plan(rng: random.Random) -> list[tuple[str, int]]:
     """(transport, cancel point) per request: 70% gRPC aio, 15% gRPC blocking, 15% HTTP SSE; 0 = before tokens."""
-    transports = ["grpc-aio"] * 140 + ["grpc-sync"] * 30 + ["http-aio"] * 30
+    transports = ["grpc-aio"] * 56 + ["grpc-sync"] * 12 + ["http-aio"] * 12
     assert len(transports) == NUM_REQUESTS
     rng.shuffle(transports)
     out = []
@@ -174,7 +174,7 @@ def greedy_text(server) -> str:
     return result.text
 
 
-def test_200_random_cancels_lose_nothing(triton_server):
+def test_random_cancels_lose_nothing(triton_server):
     metrics = ServerMetrics(triton_server.metrics_url, triton_server.model_name)
     log_start = triton_server.log_path.stat().st_size
     expected_text = greedy_text(triton_server)
@@ -186,7 +186,7 @@ def test_200_random_cancels_lose_nothing(triton_server):
     try:
         outcomes, last_cancel = asyncio.run(asyncio.wait_for(storm(triton_server, random.Random(7)), STORM_TIMEOUT_S))
     except TimeoutError:
-        pytest.fail(f"the storm took over {STORM_TIMEOUT_S} s (~35 s expected): cancelled requests still generating? "
+        pytest.fail(f"the storm took over {STORM_TIMEOUT_S} s (~15 s expected): cancelled requests still generating? "
                     f"server: {metrics.snapshot()}", pytrace=False)
     took, snap = metrics.wait_idle(IDLE_TIMEOUT_S)
     assert took is not None, f"requests still in flight {IDLE_TIMEOUT_S} s after the last cancel: {snap}\n" \

@@ -85,7 +85,8 @@ def test_killed_tritonserver_leaves_no_stub(tmp_path_factory):
 def test_liveness_probe_sees_a_dead_stub(tmp_path_factory):
     """scripts.health answers 0 while the model serves; once the stub is killed, Triton's readiness still says 200
     but the probe exits 1."""
-    server = launch_server(tmp_path_factory.mktemp("probe"), CPU_PARAMETERS)
+    # Triton's shutdown would wait its whole exit timeout for the dead stub's model to unload
+    server = launch_server(tmp_path_factory.mktemp("probe"), CPU_PARAMETERS, exit_timeout_s=5)
     try:
         healthy = _probe(server)
         assert healthy.returncode == 0 and healthy.stdout.strip() == "healthy", healthy.stderr
