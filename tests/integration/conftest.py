@@ -50,8 +50,8 @@ def launch_server(root: Path, parameters: dict[str, str], extra_args: list[str] 
 
     config.pbtxt is complete, so Triton's auto-complete is off here: each load then starts one python-backend stub
     (the instance's), not first a second one that only imports model.py. The servers started as in production
-    (scripts.serve, and start_server in test_clean_shutdown.py, test_model_instances.py, bench.serve_bench) keep it.
-    exit_timeout_s: how long a SIGTERM waits for models to unload (a dead stub's never does)."""
+    (scripts.serve, and start_server in test_clean_shutdown.py and bench.serve_bench) keep it.
+    exit_timeout_s: how long a SIGTERM waits for the model to unload (it never does once its stub was killed)."""
     repo = make_model_repository(root, parameters)
     log_path = root / "tritonserver.log"
     http, grpc, metrics = free_port(), free_port(), free_port()

@@ -23,7 +23,8 @@ def test_two_instances_serve_report_separately_and_stop_cleanly(tmp_path):
     assert SINGLE in config.read_text()
     config.write_text(config.read_text().replace(SINGLE, TWO_CPU))
     http, grpc, metrics = free_port(), free_port(), free_port()
-    proc = start_server(repo, http, grpc, metrics, ["--exit-timeout-secs=30"], log_path=tmp_path / "tritonserver.log")
+    proc = start_server(repo, http, grpc, metrics, ["--exit-timeout-secs=30", "--disable-auto-complete-config"],
+                        log_path=tmp_path / "tritonserver.log")
     try:
         wait_until_ready(proc, http, timeout=240, model_name="llm")
         assert len(stub_pids(str(repo))) == 2

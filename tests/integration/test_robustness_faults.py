@@ -163,11 +163,14 @@ def fresh_server(tmp_path_factory):
     close_server(server)
 
 
+STREAM_TOKENS = 24  # seconds of decoding on a CPU: still running when the signal or the unload comes
+
+
 def _start_streams(server, n: int = 3) -> GrpcStream:
     stream = GrpcStream(server)
     for i in range(n):
         stream.send(f"s{i}", grpc_inputs(f"Tell a long story number {i}:",
-                                         sampling={"max_tokens": 48, "temperature": 0, "ignore_eos": True},
+                                         sampling={"max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True},
                                          return_num_output_tokens=True))
     stream.next_event(timeout=60)  # tokens are flowing
     return stream
@@ -177,7 +180,7 @@ def _assert_drained(results: dict) -> None:
     assert len(results) == 3
     for rid, got in results.items():
         assert got.finals == 1 and not got.errors, f"{rid}: {got.finals} finals, errors {got.errors}"
-        assert sum(got.output("num_output_tokens")) == 48, f"{rid} was cut short"
+        assert sum(got.output("num_output_tokens")) == STREAM_TOKENS, f"{rid} was cut short"
 
 
 def test_sigterm_with_streams_in_flight(fresh_server):

