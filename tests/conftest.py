@@ -8,7 +8,7 @@ So `pytest tests` on a CPU machine also runs tests/kernels and the engine on the
 One OpenMP thread per process unless OMP_NUM_THREADS says otherwise: `make test` runs two workers on two cores, and
 each starts tritonservers, stubs and tools (which inherit the variable). With torch's default of one thread per core
 in every one of them, threads spin-waiting at the end of each parallel region took the cores from the processes that
-had work: an engine decode step took more than twice as long as with one thread, even on an otherwise idle machine."""
+had work: a transformers decode step took three times as long as with one thread."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch (and numpy's BLAS) read it

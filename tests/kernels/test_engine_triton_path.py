@@ -42,7 +42,7 @@ TINY_TABLES = triton_linear.TuningTables(
     gated={(*GATE_UP, 16): LC(128, 64, 4, 2), (*GATE_UP, 64): LC(128, 64, 4, 2)},
 )
 PROMPT_LENS = [30, 28, 5, 17, 20, 3, 9, 24, 12, 7, 13, 2]
-MAX_TOKENS = [2 + (i * 7) % 13 // 2 for i in range(len(PROMPT_LENS))]  # 2..8: the batch shrinks step by step
+MAX_TOKENS = [2 + (i * 7) % 13 for i in range(len(PROMPT_LENS))]  # 2..14: the batch shrinks step by step
 SETTINGS = dict(device="cpu", dtype="float16", num_kv_blocks=64, block_size=16, max_num_batched_tokens=64,
                 max_model_len=256)
 
