@@ -370,6 +370,16 @@ class Engine:
 
     def _fail_all(self, message: str, reason: str = FINISH_ERROR) -> None:
         """Finish every known request with reason (error or abort) and return all KV blocks."""
+        # the inbox first: a caller told of its request's end below may add the next request at once, and that one
+        # came after the failure, so it must be served, not failed with it
+        queued = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "add":
+                queued += [s for r in item[1] for s in (r, *r.forks)]
         for req in list(self._requests.values()):
             req.status = RequestStatus.FINISHED
             req.finish_reason = reason
@@ -378,14 +388,8 @@ class Engine:
         self._requests.clear()
         self._groups.clear()
         self.scheduler.clear()
-        while True:  # requests still in the inbox were accepted too: answer them
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item[0] == "add":
-                self.outputs.push([StepEvent(s.request_id, None, None, reason, message)
-                                   for r in item[1] for s in (r, *r.forks)])
+        if queued:  # requests that were in the inbox were accepted too: answer them
+            self.outputs.push([StepEvent(s.request_id, None, None, reason, message) for s in queued])
         self._refresh_stats()
 
     def _refresh_stats(self) -> None:
