@@ -57,6 +57,8 @@ class Admission:
                 raise ValueError(f"prompt has {len(prompt)} characters; at most {limit} are accepted "
                                  f"({_MAX_CHARS_PER_TOKEN} per token of the maximum model length {self.max_model_len})")
             ids = self.tokenizer.encode(prompt)
+            if not ids:  # e.g. control characters only, which the tokenizer drops: no token to start from
+                raise ValueError("prompt has no tokens: its text tokenizes to nothing")
             return ids[-keep_last:] if keep_last else ids
         ids = list(prompt)[-keep_last:] if keep_last else list(prompt)
         if not ids:

@@ -46,6 +46,7 @@ BAD_HTTP = {
     "no_prompt": ({"parameters": OK}, ["text_input", "input_ids"]),
     "both_prompts": ({"text_input": "Hi", "input_ids": [1, 2], "parameters": OK}, ["text_input", "input_ids"]),
     "empty_text": ({"text_input": "", "parameters": OK}, ["text_input", "non-empty"]),
+    "text_without_tokens": ({"text_input": "\x1d", "parameters": OK}, ["prompt", "no tokens"]),  # dropped whole
     "prompt_too_long_text": ({"text_input": "hello " * (MAX_LEN + 50), "parameters": OK}, ["prompt", str(MAX_LEN)]),
     "prompt_too_long_ids": ({"input_ids": [17] * (MAX_LEN + 5), "parameters": OK}, ["prompt", str(MAX_LEN)]),
     "prompt_megabytes": ({"text_input": "x" * 3_000_000, "parameters": OK}, ["prompt", "characters"]),

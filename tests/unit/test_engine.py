@@ -298,6 +298,8 @@ def test_bad_requests_raise_clear_errors(root):
     try:
         with pytest.raises(ValueError, match="empty"):
             engine.add_request([], greedy(4))
+        with pytest.raises(ValueError, match="no tokens"):  # text the tokenizer drops whole
+            engine.add_request(" \t ", greedy(4))
         with pytest.raises(ValueError, match="vocabulary"):
             engine.add_request([1, 999], greedy(4))
         with pytest.raises(ValueError, match="maximum model length"):
