@@ -218,6 +218,43 @@ def test_chunked_prefill(hq, hkv, d, bs, dtype):
     assert rel_err(out, case.reference()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_splits_rows_between_the_decode_and_prefill_kernels(dtype, monkeypatch):
+    """A mixed step as a mixed graph lays it out: one-token rows go to the decode kernel (split, as in decode steps),
+    longer queries to the prefill kernel, and the layout's empty sequence slots after the step's own are read by
+    neither (their query start is the token count, their block-table row the padding block)."""
+    seqs = [(300, 1), (0, 23), (120, 1), (57, 9), (1, 1)]
+    case = Case(seqs, 32, 8, 64, 16, dtype, seed=11)
+    m, empty = case.meta, 3
+    T = int(m.query_start_loc[-1])
+    meta = Meta(m.slot_mapping, torch.cat([m.query_start_loc, m.query_start_loc.new_full((empty,), T)]),
+                torch.cat([m.seq_lens, m.seq_lens.new_ones(empty)]),
+                torch.cat([m.block_tables, m.block_tables.new_zeros(empty, m.block_tables.shape[1])]),
+                m.max_query_len, m.max_seq_len)
+    calls = []
+
+    def recorded(name, real):
+        def call(*args, **kwargs):
+            calls.append((name, kwargs.get("single_only", kwargs.get("skip_single"))))
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("decode_attention", "prefill_attention"):
+        monkeypatch.setattr(ta, name, recorded(name, getattr(ta, name)))
+    monkeypatch.setattr(ta, "choose_num_splits", lambda *a: 3)  # the decode rows' contexts split as in decode steps
+    out = ta.paged_attention(case.q, case.k, case.v, case.cache, meta, case.scale)
+    assert calls == [("decode_attention", True), ("prefill_attention", True)]
+    case.check_cache_written()
+    assert rel_err(out, case.reference()) < TOL[dtype]
+    # the one-token rows are the same bits as a decode step of those sequences alone gives them
+    ones = [b for b, (_, q) in enumerate(seqs) if q == 1]
+    rows = m.query_start_loc[ones].long()
+    alone = ta.decode_attention(case.q[rows], case.cache, Meta(
+        m.slot_mapping[rows], torch.arange(len(ones) + 1, dtype=torch.int32, device=DEVICE), m.seq_lens[ones],
+        m.block_tables[ones], 1, m.max_seq_len), case.scale)
+    assert torch.equal(out[rows], alone)
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=SLOW), torch.bfloat16])
 def test_matches_torch_path(dtype):
     """Same inputs through backend.ops.torch.attention (the plain-torch path) and the Triton path: same answer."""

@@ -143,9 +143,11 @@ def _decode_kernel(
     stride_part,
     HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, PARTS: tl.constexpr,
+    ROPE: tl.constexpr, PARTS: tl.constexpr, SINGLE_ONLY: tl.constexpr,
 ):
     # DIRECT: a single split writes the normalised output itself and no reduce kernel runs.
+    # SINGLE_ONLY: a mixed step's sequences; only those that feed one query token are this kernel's (the prefill
+    # kernel takes the rest), read from the query start locations on the device.
     # ROPE: q, k and v are this step's unrotated projections (PARTS > 0: split-K partials, stride_part apart); the
     # program rotates them and writes the new K/V itself (rope_write_kv fused in front). q_rot_ptr: a (T, HQ, D)
     # buffer with the output's strides for the rotated q.
@@ -157,6 +159,9 @@ def _decode_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(qsl_ptr + b).to(tl.int64)
+    if SINGLE_ONLY:
+        if tl.load(qsl_ptr + b + 1) - row != 1:
+            return
 
     # All G query heads of this KV head share every K/V tile: the cache is read once per KV head.
     offs_g = tl.arange(0, G_PAD)
@@ -230,12 +235,16 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr, out_ptr, num_splits, stride_ot, stride_oh,
     HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
+    SINGLE_ONLY: tl.constexpr,
 ):
     allow_dependents(PDL)
     dependent_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(qsl_ptr + b).to(tl.int64)
+    if SINGLE_ONLY:  # as the decode kernel: another kernel writes the rows of longer queries
+        if tl.load(qsl_ptr + b + 1) - row != 1:
+            return
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
     s_mask = offs_s < num_splits
@@ -255,11 +264,15 @@ def _decode_reduce_kernel(
 
 
 def decode_attention(q, kv_cache_layer, meta, scale, out=None, *, num_splits=None, block_n=None,
-                     num_warps=None, num_stages=None, pdl: bool = False):
-    """Paged decode attention (one query token per sequence) over the cache; split-K with a reduce kernel."""
+                     num_warps=None, num_stages=None, pdl: bool = False, single_only: bool = False):
+    """Paged decode attention (one query token per sequence) over the cache; split-K with a reduce kernel.
+
+    single_only: the sequences may feed any number of query tokens (a mixed step); only the rows of those that feed
+    exactly one are computed and written, the others are left as they are in out."""
     if q.stride(-1) != 1:
         q = q.contiguous()
-    return _decode(q, kv_cache_layer, meta, scale, out, None, num_splits, block_n, num_warps, num_stages, pdl)
+    return _decode(q, kv_cache_layer, meta, scale, out, None, num_splits, block_n, num_warps, num_stages, pdl,
+                   single_only)
 
 
 def rope_decode_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale, *, num_splits=None,
@@ -276,7 +289,7 @@ def rope_decode_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, met
     q_rot = buffers.alloc(tuple(q.shape), dtype, q.device)  # strides equal out's: the kernel indexes both alike
     rope = (k, v, positions, cs, meta.slot_mapping, q_rot, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cs.stride(0), stride_part, parts)
-    return _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_warps, num_stages, pdl)
+    return _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_warps, num_stages, pdl, False)
 
 
 def _shapes(q, kv_cache_layer, meta) -> tuple[int, int, int, int, int, int, int]:
@@ -286,7 +299,7 @@ def _shapes(q, kv_cache_layer, meta) -> tuple[int, int, int, int, int, int, int]
     return T, HQ, D, BS, HKV, meta.seq_lens.shape[0], HQ // HKV
 
 
-def _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_warps, num_stages, pdl):
+def _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_warps, num_stages, pdl, single_only):
     """Launch the decode kernel (and the reduce when it splits); rope: the fused rotary + KV-write inputs or None."""
     T, HQ, D, BS, HKV, B, G = _shapes(q, kv_cache_layer, meta)
     if out is None:
@@ -314,14 +327,14 @@ def _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_
         out.stride(0), out.stride(1), *rope_args,
         HQ=HQ, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, DOT_PREC=_dot_precision(c.dtype), PDL=pdl, ROPE=fused,
-        PARTS=parts, num_warps=num_warps or DECODE_NUM_WARPS,
+        PARTS=parts, SINGLE_ONLY=single_only, num_warps=num_warps or DECODE_NUM_WARPS,
         num_stages=num_stages or _stages(DECODE_NUM_STAGES, c.dtype), launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, HQ)](
             part_acc, part_m, part_l, meta.query_start_loc, out, num_splits, out.stride(0), out.stride(1),
             HQ=HQ, D=D, D_PAD=D_PAD, S_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
+            SINGLE_ONLY=single_only, num_warps=4, launch_pdl=pdl,
         )
     return out
 
@@ -335,7 +348,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SKIP_SINGLE: tl.constexpr,
 ):
     allow_dependents(PDL)
     dependent_wait(PDL)
@@ -359,6 +372,9 @@ def _prefill_kernel(
     q_block = pid - (q_start // BLOCK_Q + b)
     if q_block * BLOCK_Q >= q_len:
         return
+    if SKIP_SINGLE:  # one-token queries are the decode kernel's in this step (paged_attention runs both)
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + b)
     ctx_len = seq_len - q_len  # tokens cached by earlier steps
 
@@ -398,8 +414,11 @@ def _prefill_kernel(
 
 
 def prefill_attention(q, kv_cache_layer, meta, scale, out=None, *, block_m=None, block_n=None,
-                      num_warps=None, num_stages=None, pdl: bool = False):
-    """Paged causal attention for variable query lengths (prefill, chunked prefill, mixed batches)."""
+                      num_warps=None, num_stages=None, pdl: bool = False, skip_single: bool = False):
+    """Paged causal attention for variable query lengths (prefill, chunked prefill, mixed batches).
+
+    skip_single: the rows of sequences that feed one query token are left as they are in out (the decode kernel
+    computes them: see paged_attention)."""
     T, HQ, D, BS, HKV, B, G = _shapes(q, kv_cache_layer, meta)
     if out is None:
         out = buffers.alloc((T, HQ, D), q.dtype, q.device)
@@ -418,7 +437,7 @@ def prefill_attention(q, kv_cache_layer, meta, scale, out=None, *, block_m=None,
         out.stride(0), out.stride(1),
         G=G, D=D, D_PAD=max(16, triton.next_power_of_2(D)), BS=BS,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n or PREFILL_BLOCK_N, DOT_PREC=_dot_precision(q.dtype),
-        PDL=pdl, num_warps=num_warps or PREFILL_NUM_WARPS,
+        PDL=pdl, SKIP_SINGLE=skip_single, num_warps=num_warps or PREFILL_NUM_WARPS,
         num_stages=num_stages or _stages(PREFILL_NUM_STAGES, q.dtype), launch_pdl=pdl,
     )
     return out
@@ -460,4 +479,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
         write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping, pdl=pdl)
     if int(meta.max_query_len) == 1:
         return decode_attention(q, kv_cache_layer, meta, scale, pdl=pdl)
-    return prefill_attention(q, kv_cache_layer, meta, scale, pdl=pdl)
+    # A mixed step: its one-token rows (decoding requests) read their context with the decode kernel, which splits
+    # long contexts; the prefill kernel, which tiles query tokens, takes the longer queries. Why: with every row in
+    # the prefill kernel, mix-8b spent 3.7 s of its 26 s of kernel time there, where its prompts' attention is about
+    # 47 TFLOP (a tenth of a second): the decode rows, one unsplit program each, took the rest.
+    out = decode_attention(q, kv_cache_layer, meta, scale, pdl=pdl, single_only=True)
+    return prefill_attention(q, kv_cache_layer, meta, scale, out, pdl=pdl, skip_single=True)
