@@ -170,6 +170,102 @@ def bench_prefill_attention(num_tokens=2048, num_seqs=1, num_heads=32, num_kv_he
     return dict(ms=ms, tflop_per_s=flops / ms / 1e9)
 
 
+class _PagedBatch:
+    """One step's sequences over a random paged cache: each (cached tokens, query tokens), shuffled block ids."""
+
+    def __init__(self, seqs, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
+                 cache=None):
+        from backend.ops.torch.attention import AttentionMetadata
+
+        dev = _DEV
+        lens = [c + n for c, n in seqs]
+        bps = max(-(-n // block_size) for n in lens)
+        num_blocks = 1 + len(seqs) * bps
+        if cache is None:
+            cache = torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=dev).normal_()
+        self.cache = cache
+        ids = (torch.randperm(self.cache.shape[1] - 1, device=dev)[: len(seqs) * bps] + 1).view(len(seqs), bps)
+        self.block_tables = ids.to(torch.int32)
+        qsl = [0]
+        for _, n in seqs:
+            qsl.append(qsl[-1] + n)
+        t = qsl[-1]
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.zeros(t, dtype=torch.int64, device=dev),  # unused: the cache is written beforehand
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=self.block_tables,
+            max_query_len=max(n for _, n in seqs),
+            max_seq_len=max(lens),
+        )
+        self.q = torch.randn(t, num_heads, head_dim, dtype=dtype, device=dev)
+        self.scale = head_dim ** -0.5
+        self.kv_bytes = 2 * sum(lens) * num_kv_heads * head_dim * self.cache.element_size()
+        self.flops = sum(4 * n * (c + (n + 1) / 2) * num_heads * head_dim for c, n in seqs)
+
+
+MIXED_STEPS = {  # name: (decode rows, prompt lengths); decode contexts drawn like bench.traffic's mix
+    "join_1x300": (255, [300]),
+    "join_2x220": (254, [220, 220]),
+    "join_1x2048": (255, [2048]),
+    "start_27x300": (0, [300] * 27),
+    "decode_only": (256, []),
+}
+PREFILL_CONFIGS = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3), (16, 64, 4, 3),
+                   (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2))
+
+
+def _mix_contexts(n: int, seed: int = 0) -> list[int]:
+    """Context lengths of n running requests of the realistic mix, each part-way through its output."""
+    import random
+
+    from bench.traffic import _lognormal
+
+    rng = random.Random(seed)
+    return [_lognormal(rng, 220, 0.8, 4, 2048) + int(rng.random() * _lognormal(rng, 160, 0.8, 1, 1024))
+            for _ in range(n)]
+
+
+def bench_mixed_attention(name: str) -> list:
+    """One layer's attention of a mixed step (decode rows of the realistic mix beside whole prompts): the prefill
+    kernel over every row, then the decode kernel over the decode rows plus the prefill kernel over the prompts,
+    then the prefill kernel's launch shapes. TB/s = K+V bytes of all contexts / time."""
+    _require_cuda()
+    from backend.ops.triton import attention as ta
+
+    decodes, prompts = MIXED_STEPS[name]
+    ctx = _mix_contexts(decodes)
+    seqs = [(c - 1, 1) for c in ctx] + [(0, n) for n in prompts]
+    whole = _PagedBatch(seqs)
+    rows = []
+
+    def record(label, fn, **extra):
+        try:
+            ms = _time_graph(fn, replays=10, repeats=5)
+        except Exception as exc:  # an unlucky config (shared memory, registers) must not end the sweep
+            rows.append(dict(step=name, path=label, error=f"{type(exc).__name__}: {exc}"[:160], **extra))
+            return
+        rows.append(dict(step=name, path=label, ms=ms, tb_per_s=whole.kv_bytes / ms / 1e9,
+                         tflop_per_s=whole.flops / ms / 1e9, **extra))
+
+    if decodes and prompts:
+        dec = _PagedBatch(seqs[:decodes], cache=whole.cache)
+        pre = _PagedBatch(seqs[decodes:], cache=whole.cache)
+        q_dec, q_pre = whole.q[:decodes], whole.q[decodes:]
+
+        def split():
+            ta.decode_attention(q_dec, dec.cache, dec.meta, dec.scale)
+            return ta.prefill_attention(q_pre, pre.cache, pre.meta, pre.scale)
+        record("decode kernel + prefill kernel", split)
+    if not prompts:
+        record("decode kernel", lambda: ta.decode_attention(whole.q, whole.cache, whole.meta, whole.scale))
+    for bm, bn, w, st in PREFILL_CONFIGS:
+        cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        record("prefill kernel", lambda cfg=cfg: ta.prefill_attention(whole.q, whole.cache, whole.meta, whole.scale,
+                                                                      **cfg), **cfg)
+    return rows
+
+
 def bench_weight_pass(hidden=4096, intermediate=14336, layers=32, vocab=128256, heads=32, kv_heads=8, batch=32,
                       with_layers=False, linear=F.linear) -> dict:
     """One decode step's fused GEMMs (qkv, o, gate_up, down per layer, then lm_head), random bf16 weights.
@@ -295,10 +391,17 @@ def main(argv=None) -> int:
     ap.add_argument("--pdl", action="store_true", help="--linear: launch as programmatic dependents")
     ap.add_argument("--park", action="store_true", help="--linear: split-K partials left for the next kernel to add")
     ap.add_argument("--gated", action="store_true", help="--linear: W as [gate; up] with SiLU-and-mul fused in")
+    ap.add_argument("--mixed", action="store_true", help="only mixed-step attention (MIXED_STEPS), by path and shape")
     ap.add_argument("--no-weight-pass", action="store_true", help="--linear: skip the whole-model weight passes")
     args = ap.parse_args(argv)
     _require_cuda()
     results = {"device": torch.cuda.get_device_name()}
+    if args.mixed:
+        results["mixed"] = [row for name in MIXED_STEPS for row in bench_mixed_attention(name)]
+        for row in results["mixed"]:
+            print("  " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+        print(json.dumps(results, separators=(",", ":")))
+        return 0
     if args.linear:
         from backend.ops.triton import linear as tlin
 
