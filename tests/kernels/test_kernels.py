@@ -56,6 +56,7 @@ class Meta:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    seq_order: torch.Tensor | None = None
 
 
 def _poison(shape, dtype, device):
@@ -187,6 +188,35 @@ def test_decode_splits(num_splits, dtype):
     ta.write_kv_cache(case.k, case.v, case.cache, case.meta.slot_mapping)
     out = ta.decode_attention(case.q, case.cache, case.meta, case.scale, num_splits=num_splits)
     assert rel_err(out, case.reference()) < TOL[dtype]
+
+
+def test_longest_first_ranks_sequences_by_context_length():
+    """The decode kernel's launch order: longest context first, ties by sequence id, over several programs."""
+    rng = random.Random(5)
+    lens = [rng.choice([1, 1, 7, 300, rng.randint(1, 5000)]) for _ in range(2 * ta.ORDER_BLOCK + 13)]
+    meta = Meta(None, None, torch.tensor(lens, dtype=torch.int32, device=DEVICE), None, 1, max(lens))
+    order = ta.longest_first(meta)
+    assert order.tolist() == sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    assert ta.longest_first(meta) is order  # the step's other layers reuse it
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_longest_first_launch_gives_the_same_bits(num_splits, monkeypatch):
+    """Past one wave of programs the decode kernel takes sequences longest first: the same output bits as the
+    launch in sequence order, and the reference's answer."""
+    rng = random.Random(num_splits)
+    hkv = 8
+    batch = 4 * tbuf.sm_count(torch.device(DEVICE)) // hkv + 3  # more programs than one wave
+    case = Case([(c - 1, 1) for c in _contexts(batch, rng, 48 if INTERPRET else 3000)], 16, hkv, 64, 16,
+                torch.bfloat16, seed=7)
+    assert ta._ordered(batch, hkv, torch.device(DEVICE))
+    ta.write_kv_cache(case.k, case.v, case.cache, case.meta.slot_mapping)
+    ordered = ta.decode_attention(case.q, case.cache, case.meta, case.scale, num_splits=num_splits)
+    assert case.meta.seq_order is not None
+    monkeypatch.setattr(ta, "_ordered", lambda *a: False)
+    plain = ta.decode_attention(case.q, case.cache, case.meta, case.scale, num_splits=num_splits)
+    assert torch.equal(ordered, plain)
+    assert rel_err(ordered, case.reference()) < TOL[torch.bfloat16]
 
 
 PREFILL_CASES = [  # (hq, hkv, head_dim, block_size, dtype)

@@ -16,6 +16,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int32: block ids in order, unused entries 0
     max_query_len: int  # host int: most query tokens of one sequence in this step
     max_seq_len: int  # host int: upper bound of seq_lens (<= max_blocks * block_size)
+    # (B,) int32 sequence ids, longest context first: the CUDA decode kernel's launch order. None until the first
+    # layer of a step that needs it computes it on the device; the step's other layers reuse it.
+    seq_order: torch.Tensor | None = None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ DECODE_NUM_STAGES = 3     # cp.async pipelining of the K/V tile loads
 DECODE_PROGRAMS_PER_SM = 4  # splits are chosen so the grid has about this many programs per SM
 DECODE_MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (q load, partial write, reduce) dominates
 DECODE_MAX_SPLITS = 64
+ORDER_BLOCK = 64  # sequences one program of _longest_first_kernel ranks
 
 PREFILL_BLOCK_M = 64      # rows of one program: (query token, query head of the KV group) pairs
 PREFILL_BLOCK_N = 64
@@ -140,12 +141,14 @@ def _decode_kernel(
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2 (exp2 is one instruction)
     num_splits, stride_qt, stride_qh, stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, q_rot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-    stride_part,
+    stride_part, order_ptr,
     HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, PARTS: tl.constexpr, SINGLE_ONLY: tl.constexpr,
+    ROPE: tl.constexpr, PARTS: tl.constexpr, SINGLE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
 ):
     # DIRECT: a single split writes the normalised output itself and no reduce kernel runs.
+    # ORDERED: order_ptr holds the sequence ids longest context first (_longest_first_kernel); programs take them in
+    # that order, all KV heads of a sequence together.
     # SINGLE_ONLY: a mixed step's sequences; only those that feed one query token are this kernel's (the prefill
     # kernel takes the rest), read from the query start locations on the device.
     # ROPE: q, k and v are this step's unrotated projections (PARTS > 0: split-K partials, stride_part apart); the
@@ -153,8 +156,12 @@ def _decode_kernel(
     # buffer with the output's strides for the rotated q.
     allow_dependents(PDL)
     dependent_wait(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if ORDERED:  # grid (KV heads, sequences by rank, splits): the longest contexts start first
+        kvh = tl.program_id(0)
+        b = tl.load(order_ptr + tl.program_id(1))
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -229,6 +236,44 @@ def _decode_kernel(
         tl.store(part_m_ptr + part, m_i, mask=g_mask)
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _longest_first_kernel(seq_lens_ptr, order_ptr, num_seqs, BLOCK: tl.constexpr):
+    """order[rank] = sequence id, ranked by context length, longest first (ties: lower id first). Each program ranks
+    BLOCK sequences by counting, over all of them, those that come before: a permutation, no sort needed."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i_mask = i < num_seqs
+    len_i = tl.load(seq_lens_ptr + i, mask=i_mask, other=0)
+    rank = tl.zeros([BLOCK], tl.int32)
+    for j0 in range(0, num_seqs, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        len_j = tl.load(seq_lens_ptr + j, mask=j < num_seqs, other=-1)  # -1: before no real sequence
+        before = (len_j[None, :] > len_i[:, None]) | ((len_j[None, :] == len_i[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum(before.to(tl.int32), 1)
+    tl.store(order_ptr + rank, i, mask=i_mask)
+
+
+def longest_first(meta) -> torch.Tensor:
+    """meta.seq_order, computed on the device by the step's first call (its other layers reuse it)."""
+    if meta.seq_order is None:
+        n = meta.seq_lens.shape[0]
+        order = buffers.alloc((n,), torch.int32, meta.seq_lens.device)
+        # A plain launch, not a programmatic dependent: the decode kernel after it must see every rank written,
+        # and this kernel never lets a dependent start early.
+        _longest_first_kernel[(triton.cdiv(n, ORDER_BLOCK),)](meta.seq_lens, order, n, BLOCK=ORDER_BLOCK,
+                                                              num_warps=4)
+        meta.seq_order = order
+    return meta.seq_order
+
+
+def _ordered(batch: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether decode programs take the sequences longest first: only when the programs before splitting fill more
+    than one wave (about DECODE_PROGRAMS_PER_SM an SM). Then the
+    SMs hand out programs as earlier ones finish, and a long context started last runs alone at the end (on the
+    H200, 256 rows of the realistic mix in one unordered launch read the cache at 3.15 TB/s, against 4.0 for
+    equal lengths)."""
+    return batch * num_kv_heads > DECODE_PROGRAMS_PER_SM * buffers.sm_count(device)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -320,14 +365,16 @@ def _decode(q, kv_cache_layer, meta, scale, out, rope, num_splits, block_n, num_
         part_acc = part_m = part_l = out  # unused: the kernel writes the output directly
     fused = rope is not None
     *rope_args, parts = rope if fused else (q, q, q, q, q, q, 0, 0, 0, 0, 0, 0, 0)  # unused without ROPE
-    _decode_kernel[(B, HKV, num_splits)](
+    ordered = _ordered(B, HKV, q.device)
+    order = longest_first(meta) if ordered else meta.seq_lens  # unused unless ordered
+    _decode_kernel[(HKV, B, num_splits) if ordered else (B, HKV, num_splits)](
         q, c, bt, meta.seq_lens, meta.query_start_loc, out, part_acc, part_m, part_l,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3), bt.stride(0),
-        out.stride(0), out.stride(1), *rope_args,
+        out.stride(0), out.stride(1), *rope_args, order,
         HQ=HQ, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=BS, BLOCK_N=block_n,
         DIRECT=num_splits == 1, DOT_PREC=_dot_precision(c.dtype), PDL=pdl, ROPE=fused,
-        PARTS=parts, SINGLE_ONLY=single_only, num_warps=num_warps or DECODE_NUM_WARPS,
+        PARTS=parts, SINGLE_ONLY=single_only, ORDERED=ordered, num_warps=num_warps or DECODE_NUM_WARPS,
         num_stages=num_stages or _stages(DECODE_NUM_STAGES, c.dtype), launch_pdl=pdl,
     )
     if num_splits > 1:
@@ -459,9 +506,9 @@ def rope_paged_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta
 
 def _rope_fuses(batch: int, num_kv_heads: int, device: torch.device) -> bool:
     """Whether a decode step takes the fused rope + attention kernel: only while the programs before splitting fit
-    one wave (about DECODE_PROGRAMS_PER_SM an SM). Each program pays the rotary prologue's latency, so every wave
-    pays it again: on the H200 the fused kernel gained at 32 and 64 sequences × 8 KV heads and lost at 256."""
-    return batch * num_kv_heads <= DECODE_PROGRAMS_PER_SM * buffers.sm_count(device)
+    one wave. Each program pays the rotary prologue's latency, so every wave pays it again: on the H200 the fused
+    kernel gained at 32 and 64 sequences × 8 KV heads and lost at 256."""
+    return not _ordered(batch, num_kv_heads, device)
 
 
 def _check_heads(q, kv_cache_layer) -> None:
