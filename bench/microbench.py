@@ -216,14 +216,16 @@ PREFILL_CONFIGS = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3
 
 
 def _mix_contexts(n: int, seed: int = 0) -> list[int]:
-    """Context lengths of n running requests of the realistic mix, each part-way through its output."""
+    """Context lengths of n running requests of the realistic mix, each part-way through its output. A request
+    stays in the running set as long as its output takes, so requests are drawn weighted by output length."""
     import random
 
     from bench.traffic import _lognormal
 
     rng = random.Random(seed)
-    return [_lognormal(rng, 220, 0.8, 4, 2048) + int(rng.random() * _lognormal(rng, 160, 0.8, 1, 1024))
-            for _ in range(n)]
+    pool = [(_lognormal(rng, 220, 0.8, 4, 2048), _lognormal(rng, 160, 0.8, 1, 1024)) for _ in range(20 * n)]
+    picks = rng.choices(pool, weights=[out for _, out in pool], k=n)
+    return [prompt + int(rng.random() * out) for prompt, out in picks]
 
 
 def bench_mixed_attention(name: str) -> list:
