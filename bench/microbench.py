@@ -222,6 +222,8 @@ def _mix_contexts(n: int, seed: int = 0) -> list[int]:
 
     from bench.traffic import _lognormal
 
+    if n == 0:
+        return []
     rng = random.Random(seed)
     pool = [(_lognormal(rng, 220, 0.8, 4, 2048), _lognormal(rng, 160, 0.8, 1, 1024)) for _ in range(20 * n)]
     picks = rng.choices(pool, weights=[out for _, out in pool], k=n)
