@@ -5,6 +5,12 @@ Per request: time to first token (TTFT), time per output token after the first (
 1)), the gaps between streamed responses (ITL; a response that carries k tokens counts as k gaps of gap / k) and the
 end-to-end latency. Per rate: completed requests/s, output tokens/s, mean / p50 / p99 of each latency, and goodput:
 the requests/s that met the SLO (TTFT and TPOT both within their limits).
+
+Output tokens/s over the whole run counts the first requests' ramp-up and the last ones' generations after the last
+arrival, so a short run reads low even when the server kept up. `mid_output_tok_per_s` counts only the tokens that
+arrived in the middle half of the arrival span (from 25% to 75% of the time between the first and the last send),
+and `mid_vs_arrivals` divides it by the rate the arrivals ask for (all their output tokens over the arrival span):
+about 1 when the server keeps up, less when a queue builds.
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ class RequestTiming:
     end: float = 0.0
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)  # per output token after the first
+    sent_at: float | None = None  # time.perf_counter() at the send
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time.perf_counter(), tokens) of each response
 
     @property
     def tpot(self) -> float | None:
@@ -53,8 +61,8 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 async def timed_stream(stream) -> RequestTiming:
     """Consume an async iterator of chunks (each with .tokens()), timing the first token and every later gap."""
-    timing = RequestTiming()
     start = last = time.perf_counter()
+    timing = RequestTiming(sent_at=start)
     async for chunk in stream:
         n = chunk.tokens()
         if not n:
@@ -67,6 +75,7 @@ async def timed_stream(stream) -> RequestTiming:
             n_gaps, gap = n, (now - last) / n
         timing.gaps.extend([gap] * n_gaps)
         timing.tokens += n
+        timing.chunks.append((now, n))
         last = now
     timing.end = time.perf_counter() - start
     return timing
@@ -94,12 +103,26 @@ def _stats(values: list[float]) -> dict:
             "p99": round(pick(0.99), 2)}
 
 
+def middle_window(timings: list[RequestTiming]) -> dict:
+    """Output tok/s over the middle half of the arrival span, and its ratio to the rate the arrivals ask for (their
+    output tokens over the span); empty without send times or with a span of zero."""
+    sends = [t.sent_at for t in timings if t.sent_at is not None]
+    span = max(sends) - min(sends) if sends else 0.0
+    if span <= 0:
+        return {}
+    lo, hi = min(sends) + 0.25 * span, min(sends) + 0.75 * span
+    inside = sum(n for t in timings for at, n in t.chunks if lo <= at < hi)
+    asked = sum(t.tokens for t in timings) / span
+    mid = inside / (hi - lo)
+    return dict(mid_output_tok_per_s=round(mid, 1), mid_vs_arrivals=round(mid / asked, 3) if asked else None)
+
+
 def summarize(timings: list[RequestTiming], wall: float, slo: Slo) -> dict:
     """The serving figures of one rate (latencies in ms)."""
     done = [t for t in timings if t.ttft is not None]
     good = [t for t in done if t.ttft <= slo.ttft_s and (t.tpot is None or t.tpot <= slo.tpot_s)]
     tokens = sum(t.tokens for t in timings)
-    return dict(requests=len(timings), completed=len(done), output_tokens=tokens, wall_s=round(wall, 3),
+    return dict(**middle_window(timings), requests=len(timings), completed=len(done), output_tokens=tokens, wall_s=round(wall, 3),
                 requests_per_s=round(len(done) / wall, 3), output_tok_per_s=round(tokens / wall, 1),
                 ttft_ms=_stats([t.ttft for t in done]), tpot_ms=_stats([t.tpot for t in done if t.tpot is not None]),
                 itl_ms=_stats([g for t in done for g in t.gaps]), e2e_ms=_stats([t.end for t in done]),

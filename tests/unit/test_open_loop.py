@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from bench.open_loop import RequestTiming, Slo, poisson_arrivals, run_open_loop, summarize, timed_stream
+from bench.open_loop import (RequestTiming, Slo, middle_window, poisson_arrivals, run_open_loop, summarize,
+                             timed_stream)
 
 
 def test_poisson_arrivals_have_exponential_gaps_of_the_asked_mean():
@@ -77,3 +78,14 @@ def test_summary_counts_goodput_against_the_slo():
     assert out["ttft_ms"]["p50"] == 500.0 and out["ttft_ms"]["p99"] == 2000.0
     assert out["tpot_ms"]["mean"] == pytest.approx(83.33, abs=0.01)
     assert out["itl_ms"]["p50"] == 100.0
+
+
+def test_middle_window_counts_the_tokens_of_the_arrival_spans_middle_half():
+    """Sends at 0, 4 and 8 s: the window is [2, 6). Two tokens a second are asked for (16 over 8 s); 6 tokens
+    arrive inside the window (the chunks at 2, 3 and 5 s), 1.5 a second over its 4 s: 0.75 of the asked rate."""
+    timings = [RequestTiming(ttft=1.0, end=3.0, tokens=6, sent_at=0.0, chunks=[(1.0, 1), (2.0, 2), (3.0, 3)]),
+               RequestTiming(ttft=1.0, end=2.0, tokens=5, sent_at=4.0, chunks=[(5.0, 1), (6.0, 4)]),  # 6 s: outside
+               RequestTiming(ttft=1.0, end=1.0, tokens=5, sent_at=8.0, chunks=[(9.0, 5)])]
+    assert middle_window(timings) == dict(mid_output_tok_per_s=1.5, mid_vs_arrivals=0.75)
+    assert summarize(timings, wall=10.0, slo=Slo())["mid_vs_arrivals"] == 0.75
+    assert middle_window([RequestTiming(tokens=1, sent_at=3.0)]) == {}  # one send: no span
