@@ -19,6 +19,8 @@ import numpy as np
 
 from backend.request import Request
 
+_KEPT_CHANGES = 8  # row changes remembered (SteadyBatch.changes): a step's rows change a few times at most
+
 
 @dataclass(slots=True)
 class PackedRows:
@@ -57,6 +59,9 @@ class SteadyBatch:
         self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
         self._index_rows()
         self.version = 0  # bumped whenever rows leave or join: a step packed under another version has other rows
+        # how each recent version came from the one before: ("keep", mask of the rows kept) or ("append", requests
+        # added at the end), so per-row state kept elsewhere can follow the rows without reading every request
+        self.changes: dict[int, tuple[str, object]] = {}
         # running requests admitted during the run, not rows yet (prefilling); and, for those the step packed last
         # sampled, their output row there
         self.joiners: list[Request] = []
@@ -116,7 +121,7 @@ class SteadyBatch:
         self.request_ids = [rid for rid, k in zip(self.request_ids, keep) if k]
         self._set_arrays(getattr(self, name)[keep] for name in self._ARRAYS)
         self._index_rows()
-        self.version += 1
+        self._changed(("keep", keep))
 
     def packed(self, sampled: list[Request]) -> None:
         """A step was packed from these rows (then the joiners' rows of `sampled`, the step's sampled requests):
@@ -151,7 +156,13 @@ class SteadyBatch:
         self.stop_ids = self.stop_ids.union(*(r.stop_ids for r in reqs))
         self.all_plain_greedy = self.all_plain_greedy and all(r.plain_greedy for r in reqs)
         self._index_rows()
+        self._changed(("append", list(reqs)))
+
+    def _changed(self, change: tuple[str, object]) -> None:
         self.version += 1
+        self.changes[self.version] = change
+        while len(self.changes) > _KEPT_CHANGES:
+            del self.changes[next(iter(self.changes))]  # the oldest
 
     @staticmethod
     def eligible(req: Request) -> bool:

@@ -150,9 +150,15 @@ def fill_host_rows(params, seeds, step_indices, host_f, host_i, host_k) -> dict:
     host_k[:] = np.minimum(top_k, _MAX_INT32)
     host_i[0] = _seeds_array(seeds)
     host_i[1] = np.asarray(step_indices, dtype=np.int64)
+    asked = [k for k in map(_LOGPROBS_GETTER, params) if k is not None]
+    return row_flags(host_f, host_k, max(asked) if asked else -1)
+
+
+def row_flags(host_f, host_k, num_logprobs: int) -> dict:
+    """The host flags of rows whose settings are in host_f (6, n) and host_k (n,); num_logprobs: the most any row
+    asks for, -1 for none."""
     temperature, top_p, min_p, rep, pres, freq = host_f
     sampled = temperature > 0  # greedy rows ignore top-k/top-p/min-p
-    asked = [k for k in map(_LOGPROBS_GETTER, params) if k is not None]
     top_k_on = sampled & (host_k > 0)
     return dict(
         all_greedy=not sampled.any(),
@@ -161,7 +167,7 @@ def fill_host_rows(params, seeds, step_indices, host_f, host_i, host_k) -> dict:
         any_top_p=bool((sampled & (top_p < 1)).any()),
         any_min_p=bool((sampled & (min_p > 0)).any()),
         any_penalty=bool(((rep != 1) | (pres != 0) | (freq != 0)).any()),
-        num_logprobs=max(asked) if asked else -1,
+        num_logprobs=num_logprobs,
     )
 
 

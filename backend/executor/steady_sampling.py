@@ -1,10 +1,12 @@
-"""The steady rows' sampling settings, filled from the requests once per steady-batch version, not once a step."""
+"""The steady rows' sampling settings, kept per row as the rows change, not read from every request each step."""
 from __future__ import annotations
 
 import numpy as np
 
 from backend.core.steady_batch import SteadyBatch
-from backend.executor.sampler import fill_host_rows
+from backend.executor.sampler import fill_host_rows, row_flags
+
+_NO_LOGPROBS = -1  # steady rows never ask for logprobs (SteadyBatch.eligible)
 
 
 def merge_flags(a: dict, b: dict) -> dict:
@@ -21,11 +23,13 @@ def merge_flags(a: dict, b: dict) -> dict:
 
 
 class SteadySamplingRows:
-    """Per-row settings of a steady batch's rows, kept while its rows stay the same (one version).
+    """Per-row settings of a steady batch's rows, kept while its rows stay the same and following them as they change.
 
     Within a version only each row's step index moves, by one a step for every row, as its token count does: the
-    step index is the kept one plus how far the row's count moved since. Reading every request's parameters for
-    256 rows costs a few hundred microseconds of Python a step; copying the kept arrays costs a few."""
+    step index is the kept one plus how far the row's count moved since. When rows leave or join, the kept arrays
+    follow the batch's recorded changes (rows dropped by their mask, joiners' settings read and added at the end),
+    so only the joiners' requests are read. Reading every request's parameters for 256 rows costs a few hundred
+    microseconds of Python; following a change costs a few."""
 
     def __init__(self) -> None:
         self._batch: SteadyBatch | None = None
@@ -35,7 +39,7 @@ class SteadySamplingRows:
 
     def fill(self, sb: SteadyBatch, host_f: np.ndarray, host_i: np.ndarray, host_k: np.ndarray) -> dict:
         """Write the settings of sb's rows into host arrays (6, n) f32, (2, n) i64, (n,) i32; return their flags."""
-        if sb is not self._batch or sb.version != self._version:
+        if sb is not self._batch or (sb.version != self._version and not self._follow(sb)):
             reqs = sb.requests
             self._flags = fill_host_rows([r.params for r in reqs], [r.seed for r in reqs],
                                          [r.num_output_tokens - 1 for r in reqs], host_f, host_i, host_k)
@@ -49,3 +53,37 @@ class SteadySamplingRows:
         host_i[0] = self._seeds
         np.add(self._steps, sb.computed - self._computed, out=host_i[1])
         return self._flags
+
+    def _follow(self, sb: SteadyBatch) -> bool:
+        """Bring the kept arrays from their version to sb's through sb's recorded changes; False when one of them is
+        no longer recorded (then every row is read again)."""
+        versions = range(self._version + 1, sb.version + 1)
+        if any(v not in sb.changes for v in versions):
+            return False
+        for v in versions:
+            kind, change = sb.changes[v]
+            if kind == "keep":
+                keep = change
+                self._f, self._k = self._f[:, keep], self._k[keep]
+                self._seeds, self._steps, self._computed = self._seeds[keep], self._steps[keep], self._computed[keep]
+            else:
+                self._add_rows(change)
+        self._flags = row_flags(self._f, self._k, _NO_LOGPROBS)
+        self._version = sb.version
+        return True
+
+    def _add_rows(self, reqs: list) -> None:
+        """The joiners' settings, read from them now with their step index and token count of now (which move
+        together from here, as the kept rows' do)."""
+        m = len(reqs)
+        f = np.empty((self._f.shape[0], m), dtype=self._f.dtype)
+        i = np.empty((2, m), dtype=self._seeds.dtype)
+        k = np.empty(m, dtype=self._k.dtype)
+        fill_host_rows([r.params for r in reqs], [r.seed for r in reqs], [r.num_output_tokens - 1 for r in reqs],
+                       f, i, k)
+        computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=self._computed.dtype, count=m)
+        self._f = np.concatenate([self._f, f], axis=1)
+        self._k = np.concatenate([self._k, k])
+        self._seeds = np.concatenate([self._seeds, i[0]])
+        self._steps = np.concatenate([self._steps, i[1]])
+        self._computed = np.concatenate([self._computed, computed])

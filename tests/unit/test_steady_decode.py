@@ -121,7 +121,7 @@ def test_steady_runs_match_the_general_path(root, async_pipeline):
 
 def _run_sampled(path, async_pipeline, steady, monkeypatch):
     """Eight seeded requests, each sampling with its own settings, four seats: rows finish and joiners take their
-    place. Returns (tokens of each, steps, calls that read sampling settings from requests)."""
+    place. Returns (tokens of each, steps, the rows read by each call that read sampling settings from requests)."""
     from backend.executor import packer, steady_sampling
 
     calls = []
@@ -139,22 +139,25 @@ def _run_sampled(path, async_pipeline, steady, monkeypatch):
     try:
         outs = engine.generate(prompts, params)
         assert [len(o.token_ids) for o in outs] == lengths
-        return [o.token_ids for o in outs], engine.stats()["steps"], len(calls)
+        return [o.token_ids for o in outs], engine.stats()["steps"], list(calls)  # a copy: a later run adds on
     finally:
         engine.shutdown()
 
 
 @pytest.mark.parametrize("async_pipeline", MODES)
 def test_steady_rows_keep_their_sampling_settings_between_row_changes(root, async_pipeline, monkeypatch):
-    """The steady rows' sampling settings are read from the requests once per set of rows, not once a step (each
-    row's step index then moves with its token count), and the seeded draws are the general path's, token for
-    token."""
+    """The steady rows' sampling settings are read from each request a few times in its life, not once a step: kept
+    per row while the rows stay the same (each row's step index then moves with its token count), and following
+    the rows as they leave and join (only a joiner's own settings are read). The seeded draws are the general
+    path's, token for token."""
     path = build_tiny("llama", root)
     on, steps, reads_on = _run_sampled(path, async_pipeline, True, monkeypatch)
     off, _, reads_off = _run_sampled(path, async_pipeline, False, monkeypatch)
     assert on == off
-    assert reads_off >= steps - 1  # the general path reads them every step that samples
-    assert reads_on < steps // 2
+    assert len(reads_off) >= steps - 1  # the general path reads every sampled row's settings every step
+    assert sum(reads_off) > 150
+    assert len(reads_on) < steps // 4
+    assert sum(reads_on) <= 3 * len(on)  # eight requests: at most three reads of each one's settings
 
 
 @pytest.mark.parametrize("async_pipeline", MODES)
@@ -233,3 +236,47 @@ def test_rows_that_may_end_take_the_general_rules_inside_a_steady_step(root, asy
     assert on[3].finish_reason == "stop" and len(on[3].token_ids) == 12
     assert on_streamed == [o.token_ids for o in on] and off_streamed == [o.token_ids for o in off]
     assert on_blocks == off_blocks == 0
+
+
+def test_steady_sampling_rows_follow_rows_leaving_and_joining():
+    """After rows leave and join, the kept settings equal a fresh read of every row, with only the joiners read."""
+    import numpy as np
+
+    from backend.core.steady_batch import SteadyBatch
+    from backend.executor import steady_sampling
+    from backend.request import Request
+
+    def request(i):
+        params = SamplingParams(max_tokens=50, temperature=0.5 + 0.1 * i, top_p=0.9 if i % 2 else 1.0,
+                                top_k=i % 3 * 10, seed=i)
+        req = Request(f"r{i}", [3] * (4 + i), params, seed=1000 + i, eos_token_ids=frozenset({2}))
+        req.num_computed_tokens, req.block_ids = req.num_prompt_tokens + i, [i + 1]
+        req.num_output_tokens = i + 1
+        return req
+
+    def arrays(n):
+        return np.zeros((6, n), np.float32), np.zeros((2, n), np.int64), np.zeros(n, np.int32)
+
+    sb = SteadyBatch([request(i) for i in range(6)], block_size=16, max_model_len=256, max_blocks=8)
+    kept = steady_sampling.SteadySamplingRows()
+    kept.fill(sb, *arrays(6))
+    sb.advance(1)  # every row's step index moves by one
+    sb._delete(np.array([1, 4]))
+    sb._append([request(6), request(7)], np.array([0, 1]))
+    sb._delete(np.array([0]))
+    reads = []
+    real = steady_sampling.fill_host_rows
+    steady_sampling.fill_host_rows = lambda *a: reads.append(len(a[0])) or real(*a)
+    try:
+        got = arrays(len(sb))
+        flags = kept.fill(sb, *got)
+    finally:
+        steady_sampling.fill_host_rows = real
+    assert reads == [2]  # the two joiners only
+    want = arrays(len(sb))
+    want_flags = real([r.params for r in sb.requests], [r.seed for r in sb.requests],
+                      [r.num_output_tokens - 1 for r in sb.requests], *want)
+    assert [r.request_id for r in sb.requests] == ["r2", "r3", "r5", "r6", "r7"]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert flags == want_flags
