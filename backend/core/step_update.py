@@ -3,7 +3,6 @@ are hashed for prefix caching, and finished requests' blocks return (after the s
 from __future__ import annotations
 
 import time
-from itertools import compress
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -127,15 +126,14 @@ class StepUpdater:
             return None
         keep = np.ones(n, dtype=bool)
         keep[risky] = False
-        # only a request that left the rows since the step was packed may have finished meanwhile
-        gone = st.batch.steady.rows_gone_since(st.steady_version, n)
-        for i in np.flatnonzero(keep & gone if gone is not None else keep).tolist():
-            req = requests[i]
+        kept = keep.tolist()
+        for i, (req, tok) in enumerate(zip(requests, tokens)):
+            if not kept[i]:
+                continue
             if req.is_finished:  # finished while this step was queued: its token is dropped, and no event
                 req.drop_pending()
-                keep[i] = False
-        kept = keep.tolist()
-        for req, tok in compress(zip(requests, tokens), kept):
+                kept[i] = False
+                continue
             req.num_pending -= 1
             req.output_token_ids.append(tok)
         bm = self.block_manager
