@@ -14,6 +14,7 @@ packed, or that samples a stop token or nears a length limit, is the general one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
 
 import numpy as np
 
@@ -44,7 +45,7 @@ class SteadyBatch:
     """The decoding running requests as rows: their KV positions, block tables and limits as numpy arrays."""
 
     # per-row arrays, kept in row order by _delete and _append
-    _ARRAYS = ("computed", "token_cap", "num_blocks", "tables", "hashed_blocks", "src_rows")
+    _ARRAYS = ("computed", "token_cap", "num_blocks", "tables", "hashed_blocks", "src_rows", "streamed")
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
         self.block_size = block_size
@@ -82,16 +83,17 @@ class SteadyBatch:
             tables[row, :len(req.block_ids)] = req.block_ids
         # full blocks already hashed for prefix caching
         hashed_blocks = np.fromiter((len(r.block_hashes) for r in reqs), dtype=np.int64, count=n)
-        return computed, token_cap, num_blocks, tables, hashed_blocks, src_rows.astype(np.int64)
+        # rows whose caller streams: they get a (request_id, token) event every step
+        streamed = np.fromiter((not r.final_only for r in reqs), dtype=bool, count=n)
+        return computed, token_cap, num_blocks, tables, hashed_blocks, src_rows.astype(np.int64), streamed
 
     def _set_arrays(self, arrays) -> None:
         for name, array in zip(self._ARRAYS, arrays):
             setattr(self, name, array)
 
     def _index_rows(self) -> None:
-        # rows whose caller streams: they get a (request_id, token) event every step
-        self.streamed_rows = [i for i, r in enumerate(self.requests) if not r.final_only]
-        self.streamed_ids = [self.request_ids[i] for i in self.streamed_rows]
+        self.streamed_rows = np.flatnonzero(self.streamed).tolist()
+        self.streamed_ids = list(compress(self.request_ids, self.streamed.tolist()))
         self.rows = np.arange(len(self.requests))
 
     def __len__(self) -> int:
@@ -117,8 +119,9 @@ class SteadyBatch:
     def _delete(self, rows: np.ndarray) -> None:
         keep = np.ones(len(self.requests), dtype=bool)
         keep[rows] = False
-        self.requests = [r for r, k in zip(self.requests, keep) if k]
-        self.request_ids = [rid for rid, k in zip(self.request_ids, keep) if k]
+        kept = keep.tolist()
+        self.requests = list(compress(self.requests, kept))
+        self.request_ids = list(compress(self.request_ids, kept))
         self._set_arrays(getattr(self, name)[keep] for name in self._ARRAYS)
         self._index_rows()
         self._changed(("keep", keep))
@@ -163,6 +166,25 @@ class SteadyBatch:
         self.changes[self.version] = change
         while len(self.changes) > _KEPT_CHANGES:
             del self.changes[next(iter(self.changes))]  # the oldest
+
+    def rows_gone_since(self, version: int, n: int) -> np.ndarray | None:
+        """Of the n rows the batch had at `version`, which are no longer rows now (bool mask), from the recorded
+        changes; None when a change since then is no longer recorded."""
+        if version == self.version:
+            return np.zeros(n, dtype=bool)
+        versions = range(version + 1, self.version + 1)
+        if any(v not in self.changes for v in versions):
+            return None
+        where = np.arange(n)  # each of those rows' row index now, -1 once deleted
+        for v in versions:
+            kind, change = self.changes[v]
+            if kind != "keep":  # appended rows go after the old ones, whose indices stay
+                continue
+            alive = where >= 0
+            kept = np.zeros(n, dtype=bool)
+            kept[alive] = change[where[alive]]
+            where = np.where(kept, (np.cumsum(change) - 1)[np.maximum(where, 0)], -1)
+        return where < 0
 
     @staticmethod
     def eligible(req: Request) -> bool:

@@ -3,6 +3,7 @@ are hashed for prefix caching, and finished requests' blocks return (after the s
 from __future__ import annotations
 
 import time
+from itertools import compress
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -126,14 +127,15 @@ class StepUpdater:
             return None
         keep = np.ones(n, dtype=bool)
         keep[risky] = False
-        kept = keep.tolist()
-        for i, (req, tok) in enumerate(zip(requests, tokens)):
-            if not kept[i]:
-                continue
+        # only a request that left the rows since the step was packed may have finished meanwhile
+        gone = st.batch.steady.rows_gone_since(st.steady_version, n)
+        for i in np.flatnonzero(keep & gone if gone is not None else keep).tolist():
+            req = requests[i]
             if req.is_finished:  # finished while this step was queued: its token is dropped, and no event
                 req.drop_pending()
-                kept[i] = False
-                continue
+                keep[i] = False
+        kept = keep.tolist()
+        for req, tok in compress(zip(requests, tokens), kept):
             req.num_pending -= 1
             req.output_token_ids.append(tok)
         bm = self.block_manager

@@ -280,3 +280,29 @@ def test_steady_sampling_rows_follow_rows_leaving_and_joining():
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     assert flags == want_flags
+
+
+def test_rows_gone_since_follows_deletes_and_appends():
+    """Which of a version's rows left since: deletes compose, appends keep the old rows' indices, and a change that
+    is no longer recorded gives None."""
+    import numpy as np
+
+    from backend.core.steady_batch import SteadyBatch
+    from backend.request import Request
+
+    def request(i):
+        req = Request(f"r{i}", [3] * 4, SamplingParams(max_tokens=50), seed=i, eos_token_ids=frozenset({2}))
+        req.num_computed_tokens, req.block_ids = 4, [i + 1]
+        return req
+
+    sb = SteadyBatch([request(i) for i in range(6)], block_size=16, max_model_len=256, max_blocks=8)
+    assert not sb.rows_gone_since(0, 6).any()
+    sb._delete(np.array([1, 4]))  # rows r0 r2 r3 r5
+    sb._append([request(6)], np.array([0]))  # r0 r2 r3 r5 r6
+    sb._delete(np.array([0, 3]))  # r2 r3 r6
+    assert sb.rows_gone_since(0, 6).tolist() == [True, True, False, False, True, True]
+    assert sb.rows_gone_since(1, 4).tolist() == [True, False, False, True]
+    assert sb.rows_gone_since(2, 5).tolist() == [True, False, False, True, False]
+    for _ in range(8):  # more changes than are kept
+        sb._append([request(7)], np.array([0]))
+    assert sb.rows_gone_since(0, 6) is None
