@@ -203,7 +203,6 @@ class Request:
     # counters kept in step with the lists (read every step for every request, so not recomputed)
     num_prompt_tokens: int = 0
     num_tokens: int = 0  # prompt + outputs + tokens still on the device
-    num_output_tokens: int = 0  # outputs + tokens still on the device
     # greedy, no logprobs, penalties or min_tokens: a decode graph's own argmax is its final token
     plain_greedy: bool = False
     stop_ids: frozenset[int] = frozenset()  # tokens that end the request: stop_token_ids, and EOS unless ignored
@@ -229,13 +228,11 @@ class Request:
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending
-        self.num_output_tokens = len(self.output_token_ids) + self.num_pending
 
     def add_pending(self) -> None:
         """A queued step will sample this request's next token."""
         self.num_pending += 1
         self.num_tokens += 1
-        self.num_output_tokens += 1
 
     def accept_token(self, token: int) -> None:
         """A pending token arrived on the host."""
@@ -246,7 +243,11 @@ class Request:
         """A pending token arrived after the request finished: it is not part of the output."""
         self.num_pending -= 1
         self.num_tokens -= 1
-        self.num_output_tokens -= 1
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Outputs + tokens still on the device."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

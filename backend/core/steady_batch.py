@@ -44,8 +44,8 @@ class PackedRows:
 class SteadyBatch:
     """The decoding running requests as rows: their KV positions, block tables and limits as numpy arrays."""
 
-    # per-row arrays, kept in row order by _delete and _append
-    _ARRAYS = ("computed", "token_cap", "num_blocks", "tables", "hashed_blocks", "src_rows", "streamed")
+    # per-row arrays, kept in row order by _delete and _append (and the block tables, kept in place: _table_store)
+    _ARRAYS = ("computed", "token_cap", "num_blocks", "hashed_blocks", "src_rows", "streamed")
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
         self.block_size = block_size
@@ -53,6 +53,11 @@ class SteadyBatch:
         self.max_blocks = max_blocks
         self.requests = list(requests)
         self.request_ids = [r.request_id for r in self.requests]
+        # (capacity, max_blocks) row i's KV blocks in row i, for i < len(self): rows that join are written in place
+        # after the others and rows that leave close up in place, so neither copies every row's table; a row's
+        # entries past its num_blocks are stale, never read
+        self._table_store = np.zeros((max(2 * len(self.requests), 16), max_blocks), dtype=np.int32)
+        self._write_tables(0, self.requests)
         # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
         self._set_arrays(self._columns(self.requests, np.arange(len(self.requests))))
         # any row's stop token: a step that samples one goes to the general update, which checks each row
@@ -78,14 +83,36 @@ class SteadyBatch:
         token_cap = np.fromiter((min(self.max_model_len, r.num_prompt_tokens + r.params.max_tokens) for r in reqs),
                                 dtype=np.int64, count=n)
         num_blocks = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=n)
-        tables = np.zeros((n, self.max_blocks), dtype=np.int32)  # (rows, max_blocks) each row's KV blocks
-        for row, req in enumerate(reqs):
-            tables[row, :len(req.block_ids)] = req.block_ids
         # full blocks already hashed for prefix caching
         hashed_blocks = np.fromiter((len(r.block_hashes) for r in reqs), dtype=np.int64, count=n)
         # rows whose caller streams: they get a (request_id, token) event every step
         streamed = np.fromiter((not r.final_only for r in reqs), dtype=bool, count=n)
-        return computed, token_cap, num_blocks, tables, hashed_blocks, src_rows.astype(np.int64), streamed
+        return computed, token_cap, num_blocks, hashed_blocks, src_rows.astype(np.int64), streamed
+
+    def _write_tables(self, start: int, reqs: list[Request]) -> None:
+        """Rows start.. of the table store take reqs' blocks (the store grows when full)."""
+        store = self._table_store
+        if start + len(reqs) > len(store):
+            grown = np.zeros((max(2 * len(store), start + len(reqs)), self.max_blocks), dtype=np.int32)
+            grown[:start] = store[:start]
+            self._table_store = store = grown
+        for row, req in enumerate(reqs, start=start):
+            store[row, :len(req.block_ids)] = req.block_ids
+
+    def _close_up_tables(self, gone: list[int], n: int) -> None:
+        """Rows `gone` (ascending) of the first n leave the table store: each run of kept rows after them moves up
+        (only the columns in use: a slice move per run, no copy of the rows before the first gone one)."""
+        store = self._table_store
+        width = int(self.num_blocks[gone[0]:].max())
+        to = gone[0]
+        for start, end in zip([g + 1 for g in gone], gone[1:] + [n]):
+            store[to:to + end - start, :width] = store[start:end, :width]  # numpy buffers an overlapping move
+            to += end - start
+
+    @property
+    def tables(self) -> np.ndarray:
+        """(rows, max_blocks) each row's KV blocks (a view: entries past a row's num_blocks are stale)."""
+        return self._table_store[:len(self.requests)]
 
     def _set_arrays(self, arrays) -> None:
         for name, array in zip(self._ARRAYS, arrays):
@@ -104,10 +131,8 @@ class SteadyBatch:
         if req in self.joiners:
             self.joiners.remove(req)
             return
-        for row, r in enumerate(self.requests):
-            if r is req:
-                self._delete(np.array([row]))
-                return
+        if req in self.requests:  # requests compare by identity (and list.index's miss would repr the request)
+            self._delete(np.array([self.requests.index(req)]))
 
     def retire_rows_at_length_limit(self) -> None:
         """Rows whose next step would reach max_tokens or max_model_len feed nothing more: their last token is
@@ -117,8 +142,10 @@ class SteadyBatch:
             self._delete(rows)
 
     def _delete(self, rows: np.ndarray) -> None:
-        keep = np.ones(len(self.requests), dtype=bool)
+        n = len(self.requests)
+        keep = np.ones(n, dtype=bool)
         keep[rows] = False
+        self._close_up_tables(rows.tolist(), n)  # rows ascend (flatnonzero, or one row)
         kept = keep.tolist()
         self.requests = list(compress(self.requests, kept))
         self.request_ids = list(compress(self.request_ids, kept))
@@ -152,6 +179,7 @@ class SteadyBatch:
         self._append([req for req, _ in ready], np.array([src for _, src in ready]))
 
     def _append(self, reqs: list[Request], src_rows: np.ndarray) -> None:
+        self._write_tables(len(self.requests), reqs)
         self.requests.extend(reqs)
         self.request_ids.extend(r.request_id for r in reqs)
         rows = self._columns(reqs, src_rows)
@@ -167,17 +195,21 @@ class SteadyBatch:
         while len(self.changes) > _KEPT_CHANGES:
             del self.changes[next(iter(self.changes))]  # the oldest
 
-    def rows_gone_since(self, version: int, n: int) -> np.ndarray | None:
-        """Of the n rows the batch had at `version`, which are no longer rows now (bool mask), from the recorded
-        changes; None when a change since then is no longer recorded."""
-        if version == self.version:
-            return np.zeros(n, dtype=bool)
+    def changes_since(self, version: int) -> list[tuple[str, object]] | None:
+        """The recorded changes from `version` to now, oldest first; None when one of them is no longer recorded."""
         versions = range(version + 1, self.version + 1)
         if any(v not in self.changes for v in versions):
             return None
+        return [self.changes[v] for v in versions]
+
+    def rows_gone_since(self, version: int, n: int) -> np.ndarray | None:
+        """Of the n rows the batch had at `version`, which are no longer rows now (bool mask), from the recorded
+        changes; None when a change since then is no longer recorded."""
+        changes = self.changes_since(version)
+        if changes is None:
+            return None
         where = np.arange(n)  # each of those rows' row index now, -1 once deleted
-        for v in versions:
-            kind, change = self.changes[v]
+        for kind, change in changes:
             if kind != "keep":  # appended rows go after the old ones, whose indices stay
                 continue
             alive = where >= 0
@@ -205,7 +237,6 @@ class SteadyBatch:
             req.num_computed_tokens += 1
             req.num_pending += 1
             req.num_tokens += 1
-            req.num_output_tokens += 1
             req.last_step_id = step_id
         self.computed += 1
 

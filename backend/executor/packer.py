@@ -9,7 +9,7 @@ import numpy as np
 from backend.core.kv_cache import NULL_BLOCK
 from backend.core.scheduler import ScheduledBatch
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
-from backend.executor.sampler import SamplingTensors, assemble_tensors, fill_host_rows, fill_padding_rows, \
+from backend.executor.sampler import SamplingTensors, assemble_tensors, fill_padding_rows, fill_request_rows, \
     pad_token_table
 from backend.executor.steady_sampling import SteadySamplingRows, merge_flags
 from backend.request import Request
@@ -22,11 +22,18 @@ class StepState:
     batch: ScheduledBatch
     slot: Slot
     sampled: list[Request] = field(default_factory=list)  # requests in output-row order
-    row_of: dict[int, int] = field(default_factory=dict)  # id(request) → output row
     read_logprobs: bool = False
     num_top: int = 0
     max_len: int = 0  # longest context of the batch after this step
     steady_version: int = -1  # the steady batch's version when this step was packed from it
+    _row_of: dict[int, int] | None = None
+
+    @property
+    def row_of(self) -> dict[int, int]:
+        """id(request) → output row, made when first asked (after packing): most steps are never asked."""
+        if self._row_of is None:
+            self._row_of = dict(zip(map(id, self.sampled), range(len(self.sampled))))
+        return self._row_of
 
 
 @dataclass(slots=True)
@@ -56,28 +63,27 @@ class SlotPacker:
         """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
         slot = self.pipeline.acquire_slot()
         st = StepState(batch, slot)
-        prev_rows = prev.row_of if prev is not None else {}
         if batch.steady is not None:
             first = batch.num_steady_rows
             self._pack_steady(st, prev)
             if len(batch) > first:  # joiners of the run, by the general rules
-                self._pack_mixed(st, prev_rows, first)
+                self._pack_mixed(st, prev, first)
                 self._write_block_tables(slot, batch.requests[first:], first)
             batch.steady.packed(st.sampled)
             return st
         if batch.is_decode_only:
-            self._pack_decode(st, prev_rows)
+            self._pack_decode(st, prev)
         else:
-            self._pack_mixed(st, prev_rows)
+            self._pack_mixed(st, prev)
         self._write_block_tables(slot, batch.requests)
         return st
 
-    def _pack_decode(self, st: StepState, prev_rows: dict[int, int]) -> None:
+    def _pack_decode(self, st: StepState, prev: StepState | None) -> None:
         """One token per request (the common step): each column built as a list, then one numpy copy."""
         h, bs, reqs = st.slot.np, self.block_size, st.batch.requests
         b = len(reqs)
         starts = [r.num_computed_tokens - 1 for r in reqs]
-        token_carry = np.array([self._token_at(r, p, prev_rows) for r, p in zip(reqs, starts)], dtype=np.int64)
+        token_carry = np.array([self._token_at(r, p, prev) for r, p in zip(reqs, starts)], dtype=np.int64)
         h["input_ids"][:b] = token_carry[:, 0]
         h["carry_src"][:b] = token_carry[:, 1]
         pos = np.array(starts, dtype=np.int64)
@@ -89,7 +95,6 @@ class SlotPacker:
         if all(st.batch.samples):
             h["logits_idx"][:b] = self._arange[:b]
             st.sampled = list(reqs)
-            st.row_of = {id(r): i for i, r in enumerate(reqs)}
         else:  # a one-token prefill chunk that is not its prompt's last token
             for i, (req, samples) in enumerate(zip(reqs, st.batch.samples)):
                 if samples:
@@ -117,10 +122,9 @@ class SlotPacker:
         st.slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
         st.max_len = int(sb.computed.max())
         st.sampled = list(sb.requests)
-        st.row_of = dict(zip(map(id, st.sampled), range(n)))
         st.steady_version = sb.version
 
-    def _pack_mixed(self, st: StepState, prev_rows: dict[int, int], first: int = 0) -> None:
+    def _pack_mixed(self, st: StepState, prev: StepState | None, first: int = 0) -> None:
         """Prefill chunks (every token known on the host) beside decode rows; from request `first` on (the ones
         before it are steady rows, one token each, packed already)."""
         h, bs, batch = st.slot.np, self.block_size, st.batch
@@ -134,7 +138,7 @@ class SlotPacker:
             start = end - n
             blocks = req.block_ids
             if n == 1:
-                ids[t], carry[t] = self._token_at(req, start, prev_rows)
+                ids[t], carry[t] = self._token_at(req, start, prev)
                 pos[t] = start
                 slots_[t] = blocks[start // bs] * bs + start % bs
             else:  # a prefill chunk: every token is known on the host
@@ -153,7 +157,6 @@ class SlotPacker:
     @staticmethod
     def _add_sampled(st: StepState, req: Request, token_row: int) -> None:
         st.slot.np["logits_idx"][len(st.sampled)] = token_row
-        st.row_of[id(req)] = len(st.sampled)
         st.sampled.append(req)
 
     @staticmethod
@@ -171,14 +174,14 @@ class SlotPacker:
                 tables[b, :len(blocks)] = blocks
             owners[b] = (blocks, len(blocks))
 
-    def _token_at(self, req: Request, p: int, prev_rows: dict[int, int]) -> tuple[int, int]:
+    def _token_at(self, req: Request, p: int, prev: StepState | None) -> tuple[int, int]:
         """(token, carry source row): a token the host knows, or a placeholder taken from the previous step."""
         n_prompt = req.num_prompt_tokens
         if p < n_prompt:
             return req.prompt_token_ids[p], -1
         if p - n_prompt < len(req.output_token_ids):
             return req.output_token_ids[p - n_prompt], -1
-        return 0, prev_rows[id(req)]  # sampled by the step still on the device
+        return 0, prev.row_of[id(req)]  # sampled by the step still on the device
 
     def pad_decode(self, slot: Slot, start: int, end: int) -> None:
         """Rows [start, end) of a graph bucket: one harmless token each, written into the null block."""
@@ -227,10 +230,7 @@ class SlotPacker:
         first = st.batch.num_steady_rows if sb is not None and st.steady_version == sb.version else 0
         flags = self._steady_sampling.fill(sb, host_f[:, :first], host_i[:, :first], host_k[:first]) if first else None
         if n > first:  # joiners of a steady run, or every row of a general step
-            rest = reqs[first:]
-            more = fill_host_rows([r.params for r in rest], [r.seed for r in rest],
-                                  [r.num_output_tokens - 1 for r in rest],
-                                  host_f[:, first:n], host_i[:, first:n], host_k[first:n])
+            more = fill_request_rows(reqs[first:], host_f[:, first:n], host_i[:, first:n], host_k[first:n])
             flags = more if flags is None else merge_flags(flags, more)
         if rows > n:
             fill_padding_rows(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])

@@ -160,7 +160,7 @@ class ModelRunner:
         if tokens is not None:
             self.packer.pad_mixed(slot, B, T, tokens, n, self.graphs.logits_rows(tokens))
         edits = logit_edits(st.sampled, self.device)
-        prev_slot = self.pipeline.other(slot) if prev is not None and prev.row_of else None
+        prev_slot = self.pipeline.other(slot) if prev is not None and prev.sampled else None
 
         def compute() -> tuple[int, bool]:
             """Queue the step's device work; returns (rows sampled, whether it was graph replays only)."""

@@ -154,6 +154,13 @@ def fill_host_rows(params, seeds, step_indices, host_f, host_i, host_k) -> dict:
     return row_flags(host_f, host_k, max(asked) if asked else -1)
 
 
+def fill_request_rows(reqs, host_f, host_i, host_k) -> dict:
+    """fill_host_rows for requests: each one's settings, seed and step index (its outputs before the token this step
+    samples)."""
+    return fill_host_rows([r.params for r in reqs], [r.seed for r in reqs], [r.num_output_tokens - 1 for r in reqs],
+                          host_f, host_i, host_k)
+
+
 def row_flags(host_f, host_k, num_logprobs: int) -> dict:
     """The host flags of rows whose settings are in host_f (6, n) and host_k (n,); num_logprobs: the most any row
     asks for, -1 for none."""

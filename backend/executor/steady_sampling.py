@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from backend.core.steady_batch import SteadyBatch
-from backend.executor.sampler import fill_host_rows, row_flags
+from backend.executor.sampler import fill_request_rows, row_flags
 
 _NO_LOGPROBS = -1  # steady rows never ask for logprobs (SteadyBatch.eligible)
 
@@ -40,9 +40,7 @@ class SteadySamplingRows:
     def fill(self, sb: SteadyBatch, host_f: np.ndarray, host_i: np.ndarray, host_k: np.ndarray) -> dict:
         """Write the settings of sb's rows into host arrays (6, n) f32, (2, n) i64, (n,) i32; return their flags."""
         if sb is not self._batch or (sb.version != self._version and not self._follow(sb)):
-            reqs = sb.requests
-            self._flags = fill_host_rows([r.params for r in reqs], [r.seed for r in reqs],
-                                         [r.num_output_tokens - 1 for r in reqs], host_f, host_i, host_k)
+            self._flags = fill_request_rows(sb.requests, host_f, host_i, host_k)
             self._batch, self._version = sb, sb.version
             self._f, self._k = host_f.copy(), host_k.copy()
             self._seeds, self._steps = host_i[0].copy(), host_i[1].copy()
@@ -57,11 +55,10 @@ class SteadySamplingRows:
     def _follow(self, sb: SteadyBatch) -> bool:
         """Bring the kept arrays from their version to sb's through sb's recorded changes; False when one of them is
         no longer recorded (then every row is read again)."""
-        versions = range(self._version + 1, sb.version + 1)
-        if any(v not in sb.changes for v in versions):
+        changes = sb.changes_since(self._version)
+        if changes is None:
             return False
-        for v in versions:
-            kind, change = sb.changes[v]
+        for kind, change in changes:
             if kind == "keep":
                 keep = change
                 self._f, self._k = self._f[:, keep], self._k[keep]
@@ -79,8 +76,7 @@ class SteadySamplingRows:
         f = np.empty((self._f.shape[0], m), dtype=self._f.dtype)
         i = np.empty((2, m), dtype=self._seeds.dtype)
         k = np.empty(m, dtype=self._k.dtype)
-        fill_host_rows([r.params for r in reqs], [r.seed for r in reqs], [r.num_output_tokens - 1 for r in reqs],
-                       f, i, k)
+        fill_request_rows(reqs, f, i, k)
         computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=self._computed.dtype, count=m)
         self._f = np.concatenate([self._f, f], axis=1)
         self._k = np.concatenate([self._k, k])

@@ -126,8 +126,8 @@ def _run_sampled(path, async_pipeline, steady, monkeypatch):
 
     calls = []
     for module in (packer, steady_sampling):
-        real = module.fill_host_rows
-        monkeypatch.setattr(module, "fill_host_rows", lambda *a, _real=real: calls.append(len(a[0])) or _real(*a))
+        real = module.fill_request_rows
+        monkeypatch.setattr(module, "fill_request_rows", lambda *a, _real=real: calls.append(len(a[0])) or _real(*a))
     prompts = random_prompts([7, 12, 5, 16, 9, 4, 11, 8], seed=63)
     settings = [dict(temperature=0.8, top_k=20), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, min_p=0.1),
                 dict(temperature=1.2, top_k=5, top_p=0.8), dict(temperature=0.0), dict(temperature=0.9),
@@ -243,7 +243,7 @@ def test_steady_sampling_rows_follow_rows_leaving_and_joining():
     import numpy as np
 
     from backend.core.steady_batch import SteadyBatch
-    from backend.executor import steady_sampling
+    from backend.executor import sampler, steady_sampling
     from backend.request import Request
 
     def request(i):
@@ -251,7 +251,7 @@ def test_steady_sampling_rows_follow_rows_leaving_and_joining():
                                 top_k=i % 3 * 10, seed=i)
         req = Request(f"r{i}", [3] * (4 + i), params, seed=1000 + i, eos_token_ids=frozenset({2}))
         req.num_computed_tokens, req.block_ids = req.num_prompt_tokens + i, [i + 1]
-        req.num_output_tokens = i + 1
+        req.num_tokens = req.num_prompt_tokens + i + 1  # i + 1 output tokens
         return req
 
     def arrays(n):
@@ -265,17 +265,17 @@ def test_steady_sampling_rows_follow_rows_leaving_and_joining():
     sb._append([request(6), request(7)], np.array([0, 1]))
     sb._delete(np.array([0]))
     reads = []
-    real = steady_sampling.fill_host_rows
-    steady_sampling.fill_host_rows = lambda *a: reads.append(len(a[0])) or real(*a)
+    real = steady_sampling.fill_request_rows
+    steady_sampling.fill_request_rows = lambda *a: reads.append(len(a[0])) or real(*a)
     try:
         got = arrays(len(sb))
         flags = kept.fill(sb, *got)
     finally:
-        steady_sampling.fill_host_rows = real
+        steady_sampling.fill_request_rows = real
     assert reads == [2]  # the two joiners only
     want = arrays(len(sb))
-    want_flags = real([r.params for r in sb.requests], [r.seed for r in sb.requests],
-                      [r.num_output_tokens - 1 for r in sb.requests], *want)
+    want_flags = sampler.fill_host_rows([r.params for r in sb.requests], [r.seed for r in sb.requests],
+                                        [r.num_output_tokens - 1 for r in sb.requests], *want)
     assert [r.request_id for r in sb.requests] == ["r2", "r3", "r5", "r6", "r7"]
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
@@ -306,3 +306,45 @@ def test_rows_gone_since_follows_deletes_and_appends():
     for _ in range(8):  # more changes than are kept
         sb._append([request(7)], np.array([0]))
     assert sb.rows_gone_since(0, 6) is None
+
+
+def test_block_tables_follow_rows_leaving_joining_and_growing():
+    """The rows' block tables stay each row's blocks in row order through deletes (rows after the first deleted one
+    close up in place), appends written in place, blocks added, and the store growing past its first size."""
+    import random
+
+    import numpy as np
+
+    from backend.core.steady_batch import SteadyBatch
+    from backend.request import Request
+
+    rng = random.Random(7)
+    made = iter(range(10_000))
+
+    def request():
+        i = next(made)
+        req = Request(f"r{i}", [3] * 4, SamplingParams(max_tokens=500), seed=i, eos_token_ids=frozenset({2}))
+        req.num_computed_tokens = 4
+        req.block_ids = [rng.randrange(1, 1000) for _ in range(rng.randint(1, 12))]
+        return req
+
+    sb = SteadyBatch([request() for _ in range(5)], block_size=16, max_model_len=256, max_blocks=16)
+    first_size = len(sb._table_store)
+    for _ in range(200):
+        move = rng.random()
+        if move < 0.3 and len(sb) > 1:
+            sb._delete(np.array(sorted(rng.sample(range(len(sb)), rng.randint(1, min(3, len(sb) - 1))))))
+        elif move < 0.6:
+            joiners = [request() for _ in range(rng.randint(1, 6))]
+            sb._append(joiners, np.zeros(len(joiners), dtype=np.int64))
+        else:
+            row = rng.randrange(len(sb))
+            req = sb.requests[row]
+            if len(req.block_ids) < 16:
+                req.block_ids.append(rng.randrange(1, 1000))
+                sb.add_block(row, req.block_ids[-1])
+        assert sb.tables.shape == (len(sb), 16)
+        for row, req in enumerate(sb.requests):
+            assert sb.num_blocks[row] == len(req.block_ids)
+            assert sb.tables[row, :len(req.block_ids)].tolist() == req.block_ids
+    assert len(sb._table_store) > first_size  # the store grew at least once
