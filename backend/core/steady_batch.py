@@ -44,8 +44,8 @@ class PackedRows:
 class SteadyBatch:
     """The decoding running requests as rows: their KV positions, block tables and limits as numpy arrays."""
 
-    # per-row arrays, kept in row order by _delete and _append (and the block tables, kept in place: _table_store)
-    _ARRAYS = ("computed", "token_cap", "num_blocks", "hashed_blocks", "src_rows", "streamed")
+    # per-row arrays, kept in row order by _delete and _append
+    _ARRAYS = ("computed", "token_cap", "num_blocks", "table_rows", "hashed_blocks", "src_rows", "streamed")
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
         self.block_size = block_size
@@ -53,11 +53,11 @@ class SteadyBatch:
         self.max_blocks = max_blocks
         self.requests = list(requests)
         self.request_ids = [r.request_id for r in self.requests]
-        # (capacity, max_blocks) row i's KV blocks in row i, for i < len(self): rows that join are written in place
-        # after the others and rows that leave close up in place, so neither copies every row's table; a row's
-        # entries past its num_blocks are stale, never read
-        self._table_store = np.zeros((max(2 * len(self.requests), 16), max_blocks), dtype=np.int32)
-        self._write_tables(0, self.requests)
+        # (capacity, max_blocks) the rows' KV blocks: row i's in store row table_rows[i], so a row that leaves or
+        # joins moves one index, not the tables of the rows after it; a row's entries past its num_blocks are stale
+        # (valid block ids, never read)
+        self.table_store = np.zeros((max(2 * len(self.requests), 16), max_blocks), dtype=np.int32)
+        self._free_store_rows = list(range(len(self.table_store) - 1, -1, -1))  # a stack, the lowest row on top
         # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
         self._set_arrays(self._columns(self.requests, np.arange(len(self.requests))))
         # any row's stop token: a step that samples one goes to the general update, which checks each row
@@ -83,36 +83,34 @@ class SteadyBatch:
         token_cap = np.fromiter((min(self.max_model_len, r.num_prompt_tokens + r.params.max_tokens) for r in reqs),
                                 dtype=np.int64, count=n)
         num_blocks = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=n)
+        table_rows = self._store_tables(reqs)
         # full blocks already hashed for prefix caching
         hashed_blocks = np.fromiter((len(r.block_hashes) for r in reqs), dtype=np.int64, count=n)
         # rows whose caller streams: they get a (request_id, token) event every step
         streamed = np.fromiter((not r.final_only for r in reqs), dtype=bool, count=n)
-        return computed, token_cap, num_blocks, hashed_blocks, src_rows.astype(np.int64), streamed
+        return computed, token_cap, num_blocks, table_rows, hashed_blocks, src_rows.astype(np.int64), streamed
 
-    def _write_tables(self, start: int, reqs: list[Request]) -> None:
-        """Rows start.. of the table store take reqs' blocks (the store grows when full)."""
-        store = self._table_store
-        if start + len(reqs) > len(store):
-            grown = np.zeros((max(2 * len(store), start + len(reqs)), self.max_blocks), dtype=np.int32)
-            grown[:start] = store[:start]
-            self._table_store = store = grown
-        for row, req in enumerate(reqs, start=start):
+    def _store_tables(self, reqs: list[Request]) -> np.ndarray:
+        """Write reqs' blocks into free rows of the table store (it doubles when too few are free); their rows."""
+        free = self._free_store_rows
+        if len(reqs) > len(free):
+            old = len(self.table_store)
+            size = max(2 * old, old + len(reqs))
+            grown = np.zeros((size, self.max_blocks), dtype=np.int32)
+            grown[:old] = self.table_store
+            self.table_store = grown
+            free[:0] = range(size - 1, old - 1, -1)  # under the free rows already there
+        rows = [free.pop() for _ in reqs]
+        store = self.table_store
+        for row, req in zip(rows, reqs):
             store[row, :len(req.block_ids)] = req.block_ids
-
-    def _close_up_tables(self, gone: list[int], n: int) -> None:
-        """Rows `gone` (ascending) of the first n leave the table store: each run of kept rows after them moves up
-        (only the columns in use: a slice move per run, no copy of the rows before the first gone one)."""
-        store = self._table_store
-        width = int(self.num_blocks[gone[0]:].max())
-        to = gone[0]
-        for start, end in zip([g + 1 for g in gone], gone[1:] + [n]):
-            store[to:to + end - start, :width] = store[start:end, :width]  # numpy buffers an overlapping move
-            to += end - start
+        return np.array(rows, dtype=np.int64)
 
     @property
     def tables(self) -> np.ndarray:
-        """(rows, max_blocks) each row's KV blocks (a view: entries past a row's num_blocks are stale)."""
-        return self._table_store[:len(self.requests)]
+        """(rows, max_blocks) each row's KV blocks, in row order (a copy; entries past a row's num_blocks are
+        stale)."""
+        return self.table_store[self.table_rows]
 
     def _set_arrays(self, arrays) -> None:
         for name, array in zip(self._ARRAYS, arrays):
@@ -145,7 +143,7 @@ class SteadyBatch:
         n = len(self.requests)
         keep = np.ones(n, dtype=bool)
         keep[rows] = False
-        self._close_up_tables(rows.tolist(), n)  # rows ascend (flatnonzero, or one row)
+        self._free_store_rows.extend(self.table_rows[rows].tolist())
         kept = keep.tolist()
         self.requests = list(compress(self.requests, kept))
         self.request_ids = list(compress(self.request_ids, kept))
@@ -179,7 +177,6 @@ class SteadyBatch:
         self._append([req for req, _ in ready], np.array([src for _, src in ready]))
 
     def _append(self, reqs: list[Request], src_rows: np.ndarray) -> None:
-        self._write_tables(len(self.requests), reqs)
         self.requests.extend(reqs)
         self.request_ids.extend(r.request_id for r in reqs)
         rows = self._columns(reqs, src_rows)
@@ -228,7 +225,7 @@ class SteadyBatch:
         return np.flatnonzero(self.computed >= self.num_blocks * self.block_size)
 
     def add_block(self, row: int, block: int) -> None:
-        self.tables[row, self.num_blocks[row]] = block
+        self.table_store[self.table_rows[row], self.num_blocks[row]] = block
         self.num_blocks[row] += 1
 
     def advance(self, step_id: int) -> None:

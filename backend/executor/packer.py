@@ -113,12 +113,13 @@ class SlotPacker:
             h["input_ids"][:n] = self.pipeline.other(st.slot).host_tokens.numpy()[sb.src_rows]
             h["carry_src"][:n] = -1
         h["positions"][:n] = pos
-        h["slot_mapping"][:n] = sb.tables[sb.rows, pos // bs] * bs + pos % bs
+        h["slot_mapping"][:n] = sb.table_store[sb.table_rows, pos // bs] * bs + pos % bs
         h["seq_lens"][:n] = sb.computed
         h["query_start_loc"][:n + 1] = self._arange[:n + 1]
         h["logits_idx"][:n] = self._arange[:n]
-        width = int(sb.num_blocks.max())
-        h["block_tables"][:n, :width] = sb.tables[:, :width]
+        # whole rows, gathered straight into the slot (the store's width is the slot's); mode="clip" because with
+        # out= numpy's default bounds mode gathers into a temporary first, and every table row index is in range
+        np.take(sb.table_store, sb.table_rows, axis=0, out=h["block_tables"][:n], mode="clip")
         st.slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
         st.max_len = int(sb.computed.max())
         st.sampled = list(sb.requests)

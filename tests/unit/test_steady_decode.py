@@ -309,8 +309,8 @@ def test_rows_gone_since_follows_deletes_and_appends():
 
 
 def test_block_tables_follow_rows_leaving_joining_and_growing():
-    """The rows' block tables stay each row's blocks in row order through deletes (rows after the first deleted one
-    close up in place), appends written in place, blocks added, and the store growing past its first size."""
+    """The rows' block tables stay each row's blocks in row order through deletes (their store rows reused by later
+    joiners), appends, blocks added, and the store growing past its first size."""
     import random
 
     import numpy as np
@@ -329,7 +329,7 @@ def test_block_tables_follow_rows_leaving_joining_and_growing():
         return req
 
     sb = SteadyBatch([request() for _ in range(5)], block_size=16, max_model_len=256, max_blocks=16)
-    first_size = len(sb._table_store)
+    first_size = len(sb.table_store)
     for _ in range(200):
         move = rng.random()
         if move < 0.3 and len(sb) > 1:
@@ -347,4 +347,4 @@ def test_block_tables_follow_rows_leaving_joining_and_growing():
         for row, req in enumerate(sb.requests):
             assert sb.num_blocks[row] == len(req.block_ids)
             assert sb.tables[row, :len(req.block_ids)].tolist() == req.block_ids
-    assert len(sb._table_store) > first_size  # the store grew at least once
+    assert len(sb.table_store) > first_size  # the store grew at least once
