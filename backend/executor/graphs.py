@@ -1,7 +1,7 @@
 """CUDA graphs for steps: one per bucket and slot, all drawing on one memory pool.
 
 A decode graph holds carry-over + forward + logits + the greedy pick for a bucket of one-token rows. A mixed graph
-holds carry-over + forward + logits for a bucket of up to 1,024 tokens: prefill chunks beside decode rows, every
+holds carry-over + forward + logits for a bucket of up to 8,192 tokens: prefill chunks beside decode rows, every
 sequence slot of the layout present (the ones the step leaves empty have no tokens), so the step's token count picks
 the graph and nothing else. Its attention kernel finds each program's sequence on the device, so the varying query lengths of a
 mixed step need no host value at capture time. Where the ops have a fused sampler, each decode bucket also has a
@@ -32,10 +32,11 @@ MixedForward = Callable[..., torch.Tensor]
 SampleBody = Callable[..., None]
 
 _BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
-# token buckets of mixed steps. Past 1,024 tokens a step's GPU time (milliseconds, even for a 1B model) hides its eager
-# launches, while padding it up to a bucket would cost compute the 8B model's prefill cannot spare (docs/benchmarks.md),
-# so larger steps run eagerly.
-_TOKEN_BUCKETS = [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+# token buckets of mixed steps, up to the 8,192 tokens a step may hold. An eager step, even one whose GPU time is
+# milliseconds, leaves the GPU idle while Python launches its kernels (the 1B mix lost 0.36-0.42 of its wall there);
+# padding a step up to the next of these buckets cost the 8B mix nothing measurable (docs/benchmarks.md)
+_TOKEN_BUCKETS = [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096, 6144,
+                  8192]
 
 
 class DecodeGraphs:

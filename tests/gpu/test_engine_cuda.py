@@ -194,3 +194,22 @@ def test_seeded_sampling_is_the_same_in_every_mode(root):
     assert tokens(prompts, params, async_pipeline=True, cuda_graphs=False) == want
     assert [tokens([p], [q], async_pipeline=True, cuda_graphs=True)[0] for p, q in zip(prompts, params)] == want
     assert len({tuple(t) for t in want}) == 4
+
+
+def test_steps_over_1024_tokens_replay_wide_mixed_graphs(root, monkeypatch):
+    """Prompts that fill steps of 1,024-3,072 tokens beside decoding rows replay mixed graphs of the wide token buckets
+    (1,536 up to 3,072 here), with transformers' greedy tokens."""
+    from backend.executor.packer import SlotPacker
+
+    mixed = []  # (tokens, bucket) of each step that replayed a mixed graph
+    pad_mixed = SlotPacker.pad_mixed
+    monkeypatch.setattr(SlotPacker, "pad_mixed", lambda self, slot, seqs, num_tokens, tokens, *rest: mixed.append(
+        (num_tokens, tokens)) or pad_mixed(self, slot, seqs, num_tokens, tokens, *rest))
+    path = build_tiny("llama", root)
+    prompts = random_prompts([900, 3, 800, 700, 40, 650, 999, 500], seed=7)
+    want = [hf_greedy(path, p, 16) for p in prompts]
+    got, _ = run(path, prompts, 16, async_pipeline=True, cuda_graphs=True, attention_backend="triton",
+                 num_kv_blocks=512, max_num_batched_tokens=3072, max_model_len=1024)
+    assert got == want
+    wide = {b for t, b in mixed if b > 1024}
+    assert wide and wide <= {1536, 2048, 3072}, mixed
