@@ -162,7 +162,7 @@ def test_triton_path_samples_with_the_fused_kernel_alike_in_every_mode(model_pat
     from backend.ops.triton import sampling as triton_sampling
 
     log = LaunchLog(monkeypatch)
-    log.wrap(triton_sampling, "_sample_rows_kernel", lambda args, kw: ("sample", kw["LOGPROBS"]))
+    log.wrap(triton_sampling, "_final_kernel", lambda args, kw: ("sample", kw["LOGPROBS"]))
     prompts = random_prompts(PROMPT_LENS[2:6], seed=4)
     kinds = [dict(max_tokens=4, temperature=0.8, top_p=0.9, seed=1), dict(max_tokens=3, temperature=1.2, top_k=7,
              seed=2), dict(max_tokens=4, temperature=0.0), dict(max_tokens=3, temperature=0.9, min_p=0.2, seed=3,

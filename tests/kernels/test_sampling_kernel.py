@@ -6,7 +6,9 @@
   rounding orders differently);
 - the draws follow the requested distribution (chi-square over many seeds, small vocabulary);
 - a row's draw depends on its own seed and step only, not on the batch around it;
-- logprobs, ranks and the log-sum-exp equal log_softmax's.
+- logprobs, ranks and the log-sum-exp equal log_softmax's;
+- the split passes (a row's vocabulary in chunks, one program each) draw what one chunk draws: the same race
+  winners bit for bit, the same top-p decisions but for masses that round apart at the nucleus's edge.
 Under Triton's interpreter (no CUDA) the sizes are smaller.
 """
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 
 pytestmark = pytest.mark.kernels
 
-import triton  # noqa: E402,F401  (a test requirement: the interpreter runs these kernels without CUDA)
+import triton  # noqa: E402  (a test requirement: the interpreter runs these kernels without CUDA)
 
 from backend.executor import sampler as torch_sampler  # noqa: E402
+from backend.ops.triton import sampling as triton_sampling  # noqa: E402
 from backend.ops.triton.sampling import sample_rows  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,6 +44,11 @@ def run_kernel(logits, s, **outputs):
     sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"], out,
                 **outputs)
     return out
+
+
+# chunks of 128 logits (blocks of 64): a row of the test vocabulary in several chunks, also under the interpreter
+SMALL_CHUNKS = dict(chunk=128, block=64)
+ONE_CHUNK = dict(chunk=64 * triton.cdiv(VOCAB, 64), block=64)
 
 
 def as_tensors(s, rows):
@@ -113,19 +121,25 @@ def test_a_rows_draw_ignores_the_batch_around_it():
 SLOW = pytest.mark.interpreter_slow  # ~0.1 s a draw under the interpreter: these run on the GPU (and on request)
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), pytest.param(5, 1.0, 0.0, marks=SLOW),
-                                               pytest.param(0, 0.8, 0.0, marks=SLOW),
-                                               pytest.param(6, 0.7, 0.0, marks=SLOW),
-                                               pytest.param(0, 1.0, 0.3, marks=SLOW)])
-def test_draws_follow_the_requested_distribution(top_k, top_p, min_p):
+@pytest.mark.parametrize("top_k,top_p,min_p,chunk", [(0, 1.0, 0.0, None), pytest.param(5, 1.0, 0.0, None, marks=SLOW),
+                                                     pytest.param(0, 0.8, 0.0, None, marks=SLOW),
+                                                     pytest.param(6, 0.7, 0.0, None, marks=SLOW),
+                                                     pytest.param(0, 1.0, 0.3, None, marks=SLOW),
+                                                     pytest.param(0, 0.8, 0.0, 4, marks=SLOW),
+                                                     pytest.param(0, 1.0, 0.3, 4, marks=SLOW)])
+def test_draws_follow_the_requested_distribution(top_k, top_p, min_p, chunk):
     """Chi-square over many rows of the same logits, each with its own seed: p-value above 1e-4 against the kept
     tokens' renormalised probabilities (tokens expected fewer than 5 times pooled in one bin), and no draw outside
-    them."""
+    them. chunk=4: the 12-token rows in three chunks (the split passes)."""
     vocab, draws, temperature = 12, (300 if INTERPRET else 40000), 0.9
     base = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.8, 0.5, 0.3, 0.0, -0.4, -0.9, -1.5, -3.0])
     logits = base.unsqueeze(0).expand(draws, vocab).contiguous().to(DEVICE)
     s = settings(draws, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, step0=9)
-    counts = torch.bincount(run_kernel(logits, s).cpu(), minlength=vocab).double()
+    out = torch.empty(draws, dtype=torch.int64, device=DEVICE)
+    split = dict(chunk=chunk, block=chunk) if chunk else {}
+    sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"], out,
+                **split)
+    counts = torch.bincount(out.cpu(), minlength=vocab).double()
     probs = (base.double() / temperature).softmax(0)
     kept = torch.ones(vocab, dtype=torch.bool)
     if top_k:
@@ -177,3 +191,77 @@ def test_bad_arguments_are_refused():
                     torch.empty(3, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="go together"):
         run_kernel(logits, s, logprobs=torch.empty(2, device=DEVICE))
+
+
+def mixed_settings(rows, seed0=0):
+    """Greedy, temperature-only, top-p, min-p, top-k and top-k + top-p rows in turn."""
+    s = settings(rows, temperature=0.9, seed0=seed0, step0=2)
+    kind = torch.arange(rows, device=DEVICE) % 6
+    s["temperature"][kind == 0] = 0.0
+    s["top_p"][kind == 2] = 0.7
+    s["min_p"][kind == 3] = 0.3
+    s["top_k"][(kind == 4) | (kind == 5)] = 9
+    s["top_p"][kind == 5] = 0.8
+    return s, kind
+
+
+def test_split_passes_draw_what_one_chunk_draws():
+    """Chunks of 128 logits against the whole row in one chunk, on the same rows: greedy, temperature, min-p and
+    top-k rows bit for bit; top-p rows too but for masses summed in another order at the nucleus's edge (under 3%)."""
+    rows = 24 if INTERPRET else 600
+    logits = random_logits(rows, scale=2.0, seed=11)
+    s, kind = mixed_settings(rows)
+    outs = []
+    for split in (SMALL_CHUNKS, ONE_CHUNK):
+        out = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+        sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"], out,
+                    **split)
+        outs.append(out)
+    same = outs[0] == outs[1]
+    exact = (kind != 2) & (kind != 5)
+    assert same[exact].all(), (outs[0][exact & ~same].tolist(), outs[1][exact & ~same].tolist())
+    assert same[~exact].float().mean().item() >= 0.97
+
+
+def test_split_logprobs_equal_log_softmax():
+    """Logprobs, ranks and the log-sum-exp from chunks of 128 logits (the rank counted chunk by chunk)."""
+    rows = 10
+    logits = random_logits(rows, seed=12)
+    s, _ = mixed_settings(rows, seed0=3)
+    logprobs, lse = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
+    ranks = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+    tokens = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+    sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"], tokens,
+                logprobs=logprobs, ranks=ranks, lse=lse, **SMALL_CHUNKS)
+    raw = logits.float().log_softmax(-1)
+    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs, chosen, rtol=0, atol=1e-4)
+    torch.testing.assert_close(lse, logits.float().logsumexp(-1), rtol=0, atol=1e-4)
+    assert ranks.tolist() == ((raw > chosen.unsqueeze(1)).sum(1) + 1).tolist()
+
+
+def test_rows_still_open_after_the_split_reruns_finish_alike(monkeypatch):
+    """A narrow nucleus (top-p 0.05 over flat logits) rejects most first winners: with no split rerun every such row
+    finishes in the final kernel's loop, and draws what the split reruns draw."""
+    rows = 8 if INTERPRET else 256
+    logits = random_logits(rows, scale=0.5, seed=13)
+    s = settings(rows, temperature=1.0, top_p=0.05, step0=7)
+    outs = []
+    for reruns in (triton_sampling.SPLIT_RERUNS, 0):
+        monkeypatch.setattr(triton_sampling, "SPLIT_RERUNS", reruns)
+        out = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+        sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"], out,
+                    **SMALL_CHUNKS)
+        outs.append(out)
+    kept, _ = reference_masks(logits, s)
+    for out in outs:
+        assert kept.gather(1, out.unsqueeze(1)).float().mean().item() >= 0.9
+    assert (outs[0] == outs[1]).float().mean().item() >= 0.9
+
+
+def test_bad_chunks_are_refused():
+    logits = random_logits(2)
+    s = settings(2)
+    with pytest.raises(ValueError, match="multiple of block"):
+        sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"],
+                    torch.empty(2, dtype=torch.int64, device=DEVICE), chunk=100, block=64)

@@ -1,22 +1,32 @@
-"""Sampling in one Triton-language kernel: temperature, top-k, top-p, min-p, seeded noise, the pick and logprobs.
+"""Sampling in a few Triton-language kernels: temperature, top-k, top-p, min-p, seeded noise, the pick and logprobs.
 
-One program per row reads the row's logits (model dtype) a few times and never sorts them. The draw is a race:
-the winner of z + G over the kept tokens, where z = x / T and G = -log(E), E ~ Exp(1), comes from a counter-based
-hash of (seed, step, token) (the torch sampler's own hash: both draw the same noise), picks token i with
-probability softmax(z)_i among them, and a row draws the same token whatever batch it shares.
+The logits (model dtype) are read a few times and never sorted. The draw is a race: the winner of z + G over the kept
+tokens, where z = x / T and G = -log(E), E ~ Exp(1), comes from a counter-based hash of (seed, step, token) (the torch
+sampler's own hash: both draw the same noise), picks token i with probability softmax(z)_i among them, and a row draws
+the same token whatever batch it shares.
 - pass 1: the row's maximum and its first index (the greedy pick), with logprobs the sum of exp(x - max), and the
   race's winner over the whole vocabulary;
-- top-k: its cutoff exactly, by a radix descent over the order-preserving 32-bit keys of z, 8 bits a pass: a
-  histogram of the next byte among the keys that match the bytes decided (4 passes); if the winner is below it,
-  the race is rerun among the top-k;
 - top-p and min-p: the kept tokens are those with z at or above a cutoff, so a winner is kept or not by its own z:
   min-p by exp(z - max z) >= min_p, top-p by one pass summing the mass strictly above it against top_p of the
   mass top-k kept (transformers and vLLM renormalise top-k's tokens before top-p). A rejected winner has z below
   the cutoff, so rerunning the race above its z keeps every kept token in it: the first winner kept is the
   winner among the kept tokens, with no cutoff computed. With top-p 0.95 the first winner is kept 95% of the time;
+- top-k: its cutoff exactly, by a radix descent over the order-preserving 32-bit keys of z, 8 bits a pass: a
+  histogram of the next byte among the keys that match the bytes decided (4 passes); if the winner is below it,
+  the race is rerun among the top-k;
 - with logprobs, one more pass counts the tokens more likely than the pick (its rank).
 A row with temperature 0 takes the first maximum, as torch.argmax does. Every setting is read per row from device
 memory, so a captured graph serves any mix of settings.
+
+Split passes. One program walking a row of 128K logits takes tens of microseconds a pass, and a batch waits for its
+slowest row: at 256 rows one row or more nearly always needs a rerun, so every sampled step paid four passes one
+after another. So pass 1, the top-p pass and the reruns are split: each row's vocabulary is cut into chunks of
+SAMPLE_CHUNK logits, one program a chunk, and the next kernel's programs combine the chunks' partial results
+(a race's winner is the best of the chunks' winners, first index on ties, so the split draws exactly the token one
+program would; the masses are sums of the chunks'). A row's state (open, done, or left to one program) travels
+between the kernels in a small buffer. Rows with top-k, and the rare row still open after the split reruns, finish
+in one program per row at the end. The chunks depend on the vocabulary alone, so a row's draw still ignores the
+batch around it.
 """
 from __future__ import annotations
 
@@ -30,9 +40,11 @@ except ImportError as exc:  # the dispatcher catches this and keeps the plain-to
 
 from backend.ops.triton.launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
 
-__all__ = ["sample_rows", "SAMPLE_BLOCK"]
+__all__ = ["sample_rows", "SAMPLE_BLOCK", "SAMPLE_CHUNK"]
 
 SAMPLE_BLOCK = 1024  # logits per loop iteration of a program
+SAMPLE_CHUNK = 8 * SAMPLE_BLOCK  # logits per program of the split passes: 16 programs a row of a 128K vocabulary
+SPLIT_RERUNS = 2  # race reruns in split form; a row still open after them finishes in one program
 # the torch sampler's hash constants (backend/executor/sampler.py): both draw the same noise
 _MUL1 = 0x21F0AAAD
 _MUL2 = 0x735A2D97
@@ -146,38 +158,83 @@ def _in_nucleus(base, V, T, max_z, floor_key, z_c, top_p, BLOCK: tl.constexpr):
     return tl.sum(above, axis=0) < top_p * tl.sum(whole, axis=0)
 
 
+# a row's state between the kernels: (status, candidate token)
+_OPEN = 0  # sampled, its candidate not decided yet
+_DONE = 1  # its token is final
+_WHOLE = 2  # finished by one program at the end (top-k rows)
+# per-chunk partial results: float fields of (rows, chunks, _NF), int fields of (rows, chunks, _NI)
+_NF, _X_MAX, _X_SUM, _RACE, _ABOVE, _MASS = 5, 0, 1, 2, 3, 4
+_NI, _X_AT, _RACE_AT = 2, 0, 1
+
+
 @triton.jit
-def _sample_rows_kernel(logits_ptr, stride_l, V, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
-                        out_ptr, logprob_ptr, rank_ptr, lse_ptr,
-                        BLOCK: tl.constexpr, LOGPROBS: tl.constexpr,
-                        MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr, SALT_VOCAB: tl.constexpr,
-                        PDL: tl.constexpr):
+def _row_key(seed_ptr, step_ptr, row, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr):
+    """The row's noise key from its seed and step index (the torch sampler's key, before its last shift-xor)."""
+    seed = tl.load(seed_ptr + row)
+    step = tl.load(step_ptr + row)
+    key = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ SALT_SEED, MUL1, MUL2)
+    key = _mix32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32), MUL1, MUL2)
+    key = _mix32(key ^ (step & 0xFFFFFFFF).to(tl.uint32), MUL1, MUL2)
+    key = _mix32(key ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32), MUL1, MUL2)
+    return key ^ (key >> 16)
+
+
+@triton.jit
+def _best_of_chunks(pf_ptr, pi_ptr, row, S, F: tl.constexpr, I: tl.constexpr, V, NF: tl.constexpr,
+                    NI: tl.constexpr, SP: tl.constexpr):
+    """(best value, its first index) over the row's S chunks of float field F and int field I."""
+    c = tl.arange(0, SP)
+    slot = row.to(tl.int64) * S + c
+    valid = c < S
+    value = tl.load(pf_ptr + slot * NF + F, mask=valid, other=float("-inf"))
+    at = tl.load(pi_ptr + slot * NI + I, mask=valid, other=V)
+    best = tl.max(value, axis=0)
+    return best, tl.min(tl.where(value == best, at, V), axis=0)
+
+
+@triton.jit
+def _sum_of_chunks(pf_ptr, row, S, F: tl.constexpr, NF: tl.constexpr, SP: tl.constexpr):
+    c = tl.arange(0, SP)
+    return tl.sum(tl.load(pf_ptr + (row.to(tl.int64) * S + c) * NF + F, mask=c < S, other=0.0), axis=0)
+
+
+@triton.jit
+def _kept(pf_ptr, row, S, z_c, max_z, top_p, min_p, NF: tl.constexpr, ABOVE: tl.constexpr, MASS: tl.constexpr,
+          SP: tl.constexpr):
+    """Whether the candidate z_c passes min-p and, from the chunks' masses, top-p (as _in_nucleus decides)."""
+    kept = tl.exp(z_c - max_z) >= min_p
+    if kept & (top_p < 1.0):
+        kept = _sum_of_chunks(pf_ptr, row, S, ABOVE, NF, SP) < top_p * _sum_of_chunks(pf_ptr, row, S, MASS, NF, SP)
+    return kept
+
+
+@triton.jit
+def _first_pass_kernel(logits_ptr, stride_l, V, S, temp_ptr, seed_ptr, step_ptr, pf_ptr, pi_ptr, state_ptr,
+                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, LOGPROBS: tl.constexpr, NF: tl.constexpr,
+                       NI: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr,
+                       SALT_VOCAB: tl.constexpr, PDL: tl.constexpr):
+    """Pass 1 over one chunk of one row: its maximum and first index, with logprobs the sum of exp(x - max), and
+    for a sampled row the race's winner in the chunk."""
     allow_dependents(PDL)
     dependent_wait(PDL)
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_l
     lanes = tl.arange(0, BLOCK)
     T = tl.load(temp_ptr + row)
     sampled = T > 0
     T_safe = tl.where(sampled, T, 1.0)
-    seed = tl.load(seed_ptr + row)
-    step = tl.load(step_ptr + row)
-    row_key = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ SALT_SEED, MUL1, MUL2)
-    row_key = _mix32(row_key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32), MUL1, MUL2)
-    row_key = _mix32(row_key ^ (step & 0xFFFFFFFF).to(tl.uint32), MUL1, MUL2)
-    row_key = _mix32(row_key ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32), MUL1, MUL2)
-    row_key = row_key ^ (row_key >> 16)
-
-    # pass 1: the raw maximum (first index), with logprobs the online sum of exp(x - max), and for a sampled row
-    # the race's winner over the whole vocabulary (the pick, unless a cutoff removes it)
+    row_key = _row_key(seed_ptr, step_ptr, row, MUL1, MUL2, SALT_SEED)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_at = tl.zeros([BLOCK], tl.int32)
     sums = tl.zeros([BLOCK], tl.float32)
     top_score = tl.full([BLOCK], float("-inf"), tl.float32)
     top_at = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
+    lo = chunk * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for start in range(lo, hi, BLOCK):
         offs = start + lanes
-        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
         best_at = tl.where(x > best, offs, best_at)
         if LOGPROBS:
             new = tl.maximum(best, x)
@@ -187,35 +244,153 @@ def _sample_rows_kernel(logits_ptr, stride_l, V, temp_ptr, top_k_ptr, top_p_ptr,
         else:
             best = tl.maximum(best, x)
         if sampled:
-            score = tl.where(offs < V, x / T_safe + _gumbel(row_key, offs, MUL1, MUL2, SALT_VOCAB), float("-inf"))
+            score = tl.where(offs < hi, x / T_safe + _gumbel(row_key, offs, MUL1, MUL2, SALT_VOCAB), float("-inf"))
             top_at = tl.where(score > top_score, offs, top_at)
             top_score = tl.maximum(top_score, score)
+    slot = row.to(tl.int64) * S + chunk
     x_max = tl.max(best, axis=0)
-    token = tl.min(tl.where(best == x_max, best_at, V), axis=0)  # the first index of the row's maximum
-    lse = x_max
+    tl.store(pf_ptr + slot * NF + 0, x_max)
+    tl.store(pi_ptr + slot * NI + 0, tl.min(tl.where(best == x_max, best_at, V), axis=0))
     if LOGPROBS:
-        lse = x_max + tl.log(tl.sum(sums * tl.exp(best - x_max), axis=0))
+        safe_max = tl.where(x_max == float("-inf"), 0.0, x_max)
+        tl.store(pf_ptr + slot * NF + 1, tl.sum(sums * tl.exp(best - safe_max), axis=0))
+    race = tl.max(top_score, axis=0)
+    tl.store(pf_ptr + slot * NF + 2, race)
+    tl.store(pi_ptr + slot * NI + 1, tl.min(tl.where(top_score == race, top_at, V), axis=0))
+    if chunk == 0:
+        tl.store(state_ptr + row * 2, 0)  # _OPEN
 
-    if sampled:
-        # the kept tokens are those with z >= the largest of the top-k, top-p and min-p cutoffs; the race's winner
-        # among them is the pick. A winner below a cutoff is rejected and the race rerun above its z (which keeps
-        # every kept token in it): the first winner kept is the winner among the kept tokens.
-        max_z = x_max / T  # dividing by T > 0 keeps the order, so this is the largest z
-        k = tl.load(top_k_ptr + row)
+
+@triton.jit
+def _nucleus_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, pf_ptr, pi_ptr, state_ptr,
+                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr, SP: tl.constexpr,
+                    PDL: tl.constexpr):
+    """An open row's candidate is the best of the chunks' race winners; with top-p, one chunk's masses: all of it,
+    and the part strictly above the candidate. Greedy rows, and candidates min-p alone keeps, are done here; top-k
+    rows are left to the final kernel."""
+    allow_dependents(PDL)
+    dependent_wait(PDL)
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if tl.load(state_ptr + row * 2) != 0:  # not _OPEN
+        return
+    T = tl.load(temp_ptr + row)
+    x_max, x_at = _best_of_chunks(pf_ptr, pi_ptr, row, S, 0, 0, V, NF, NI, SP)
+    if T <= 0:  # greedy: the first maximum
+        if chunk == 0:
+            tl.store(state_ptr + row * 2 + 1, x_at)
+            tl.store(state_ptr + row * 2, 1)  # _DONE
+        return
+    k = tl.load(top_k_ptr + row)
+    if (k > 0) & (k < V):
+        if chunk == 0:
+            tl.store(state_ptr + row * 2, 2)  # _WHOLE
+        return
+    _, token = _best_of_chunks(pf_ptr, pi_ptr, row, S, 2, 1, V, NF, NI, SP)
+    token = tl.minimum(token, V - 1)  # in range even for a row of NaN logits, which no race wins
+    if chunk == 0:
+        tl.store(state_ptr + row * 2 + 1, token)
+    base = logits_ptr + row.to(tl.int64) * stride_l
+    max_z = x_max / T  # dividing by T > 0 keeps the order, so this is the largest z
+    z_c = tl.load(base + token).to(tl.float32) / T
+    top_p = tl.load(top_p_ptr + row)
+    min_ok = tl.exp(z_c - max_z) >= tl.load(min_p_ptr + row)
+    if top_p >= 1.0:
+        if (chunk == 0) & min_ok:
+            tl.store(state_ptr + row * 2, 1)  # _DONE
+        return
+    if min_ok:  # else the next kernel reruns the race without the masses
+        lanes = tl.arange(0, BLOCK)
+        above = tl.zeros([BLOCK], tl.float32)
+        whole = tl.zeros([BLOCK], tl.float32)
+        lo = chunk * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        for start in range(lo, hi, BLOCK):
+            offs = start + lanes
+            z = _scaled(base, offs, hi, T)
+            weight = tl.where(offs < hi, tl.exp(z - max_z), 0.0)
+            whole += weight
+            above += tl.where(z > z_c, weight, 0.0)
+        slot = row.to(tl.int64) * S + chunk
+        tl.store(pf_ptr + slot * NF + 3, tl.sum(above, axis=0))
+        tl.store(pf_ptr + slot * NF + 4, tl.sum(whole, axis=0))
+
+
+@triton.jit
+def _rerun_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr, pf_ptr, pi_ptr,
+                  state_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr,
+                  SP: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr,
+                  SALT_VOCAB: tl.constexpr, PDL: tl.constexpr):
+    """An open row whose candidate the masses keep is done; otherwise the race is rerun in this chunk above the
+    candidate's z (the next nucleus kernel combines the chunks' winners)."""
+    allow_dependents(PDL)
+    dependent_wait(PDL)
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if tl.load(state_ptr + row * 2) != 0:  # not _OPEN
+        return
+    T = tl.load(temp_ptr + row)
+    x_max, _ = _best_of_chunks(pf_ptr, pi_ptr, row, S, 0, 0, V, NF, NI, SP)
+    base = logits_ptr + row.to(tl.int64) * stride_l
+    z_c = tl.load(base + tl.load(state_ptr + row * 2 + 1)).to(tl.float32) / T
+    if _kept(pf_ptr, row, S, z_c, x_max / T, tl.load(top_p_ptr + row), tl.load(min_p_ptr + row), NF, 3, 4, SP):
+        if chunk == 0:
+            tl.store(state_ptr + row * 2, 1)  # _DONE
+        return
+    row_key = _row_key(seed_ptr, step_ptr, row, MUL1, MUL2, SALT_SEED)
+    lanes = tl.arange(0, BLOCK)
+    top_score = tl.full([BLOCK], float("-inf"), tl.float32)
+    top_at = tl.zeros([BLOCK], tl.int32)
+    lo = chunk * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for start in range(lo, hi, BLOCK):
+        offs = start + lanes
+        z = _scaled(base, offs, hi, T)
+        score = tl.where((z > z_c) & (offs < hi), z + _gumbel(row_key, offs, MUL1, MUL2, SALT_VOCAB), float("-inf"))
+        top_at = tl.where(score > top_score, offs, top_at)
+        top_score = tl.maximum(top_score, score)
+    slot = row.to(tl.int64) * S + chunk
+    race = tl.max(top_score, axis=0)
+    tl.store(pf_ptr + slot * NF + 2, race)
+    tl.store(pi_ptr + slot * NI + 1, tl.min(tl.where(top_score == race, top_at, V), axis=0))
+
+
+@triton.jit
+def _final_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
+                  pf_ptr, pi_ptr, state_ptr, out_ptr, logprob_ptr, rank_ptr, lse_ptr,
+                  BLOCK: tl.constexpr, LOGPROBS: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr, SP: tl.constexpr,
+                  MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr, SALT_VOCAB: tl.constexpr,
+                  PDL: tl.constexpr):
+    """One program a row: a done row's token is written; a top-k row, or one still open after the split reruns,
+    is finished here (the whole row, pass after pass); with logprobs, the pick's log-probability and the row's
+    log-sum-exp, its rank set to 1 (the rank kernel adds the tokens above it)."""
+    allow_dependents(PDL)
+    dependent_wait(PDL)
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * stride_l
+    status = tl.load(state_ptr + row * 2)
+    token = tl.load(state_ptr + row * 2 + 1)
+    if status != 1:  # not _DONE: a sampled row
+        T = tl.load(temp_ptr + row)
+        x_max, _ = _best_of_chunks(pf_ptr, pi_ptr, row, S, 0, 0, V, NF, NI, SP)
+        max_z = x_max / T
         top_p = tl.load(top_p_ptr + row)
         min_p = tl.load(min_p_ptr + row)
-        best_score = tl.max(top_score, axis=0)
-        token = tl.min(tl.where(top_score == best_score, top_at, V), axis=0)
+        row_key = _row_key(seed_ptr, step_ptr, row, MUL1, MUL2, SALT_SEED)
         floor_key = tl.full([], 0, tl.uint32)
-        if (k > 0) & (k < V):
-            floor_key = _top_k_floor(base, V, T, k, BLOCK)
-        z_c = tl.load(base + token).to(tl.float32) / T
-        if _order_key(z_c) < floor_key:  # top-k removed the winner: race among the top-k
-            token = _race(base, V, T, row_key, float("-inf"), floor_key, MUL1, MUL2, SALT_VOCAB, BLOCK)
+        if status == 2:  # _WHOLE: top-k's cutoff, then the first pass's winner checked against every cutoff
+            floor_key = _top_k_floor(base, V, T, tl.load(top_k_ptr + row), BLOCK)
+            _, token = _best_of_chunks(pf_ptr, pi_ptr, row, S, 2, 1, V, NF, NI, SP)
             z_c = tl.load(base + token).to(tl.float32) / T
-        kept = tl.exp(z_c - max_z) >= min_p  # min-p: p_i / p_max = exp(z_i - max z), whatever was renormalised
-        if top_p < 1.0:
-            kept = kept & _in_nucleus(base, V, T, max_z, floor_key, z_c, top_p, BLOCK)
+            if _order_key(z_c) < floor_key:  # top-k removed the winner: race among the top-k
+                token = _race(base, V, T, row_key, float("-inf"), floor_key, MUL1, MUL2, SALT_VOCAB, BLOCK)
+                z_c = tl.load(base + token).to(tl.float32) / T
+            kept = tl.exp(z_c - max_z) >= min_p
+            if top_p < 1.0:
+                kept = kept & _in_nucleus(base, V, T, max_z, floor_key, z_c, top_p, BLOCK)
+        else:  # open after the split reruns: its last candidate, with the masses the last nucleus kernel summed
+            z_c = tl.load(base + token).to(tl.float32) / T
+            kept = _kept(pf_ptr, row, S, z_c, max_z, top_p, min_p, NF, 3, 4, SP)
         while not kept:
             token = _race(base, V, T, row_key, z_c, floor_key, MUL1, MUL2, SALT_VOCAB, BLOCK)
             z_c = tl.load(base + token).to(tl.float32) / T
@@ -224,26 +399,49 @@ def _sample_rows_kernel(logits_ptr, stride_l, V, temp_ptr, top_k_ptr, top_p_ptr,
                 kept = kept & _in_nucleus(base, V, T, max_z, floor_key, z_c, top_p, BLOCK)
     tl.store(out_ptr + row, token.to(tl.int64))
     if LOGPROBS:
-        x_tok = tl.load(base + token).to(tl.float32)
-        above = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
-            offs = start + lanes
-            x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            above += (x > x_tok).to(tl.int32)
-        tl.store(logprob_ptr + row, x_tok - lse)
-        tl.store(rank_ptr + row, (tl.sum(above, axis=0) + 1).to(tl.int64))
+        c = tl.arange(0, SP)
+        slot = row.to(tl.int64) * S + c
+        maxes = tl.load(pf_ptr + slot * NF + 0, mask=c < S, other=float("-inf"))
+        sums = tl.load(pf_ptr + slot * NF + 1, mask=c < S, other=0.0)
+        x_max = tl.max(maxes, axis=0)
+        lse = x_max + tl.log(tl.sum(sums * tl.exp(maxes - x_max), axis=0))
+        tl.store(logprob_ptr + row, tl.load(base + token).to(tl.float32) - lse)
+        tl.store(rank_ptr + row, 1)
         tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _rank_kernel(logits_ptr, stride_l, V, out_ptr, rank_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
+    """The tokens of one chunk more likely than the row's pick, added to its rank."""
+    allow_dependents(PDL)
+    dependent_wait(PDL)
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * stride_l
+    x_tok = tl.load(base + tl.load(out_ptr + row)).to(tl.float32)
+    lanes = tl.arange(0, BLOCK)
+    above = tl.zeros([BLOCK], tl.int32)
+    lo = chunk * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for start in range(lo, hi, BLOCK):
+        offs = start + lanes
+        x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        above += (x > x_tok).to(tl.int32)
+    tl.atomic_add(rank_ptr + row, tl.sum(above, axis=0).to(tl.int64))
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, seeds: torch.Tensor, step_index: torch.Tensor, out: torch.Tensor, *,
                 logprobs: torch.Tensor | None = None, ranks: torch.Tensor | None = None,
-                lse: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                lse: torch.Tensor | None = None, pdl: bool = False, chunk: int = SAMPLE_CHUNK,
+                block: int = SAMPLE_BLOCK) -> torch.Tensor:
     """Sample one token per row of logits (B, V) into out (B,) int64; returns out.
 
     Per row (all (B,) device tensors): temperature f32 (0: greedy), top_k int32 (<= 0: off), top_p f32, min_p f32,
     seeds and step_index int64. With logprobs, ranks and lse (all three or none): the pick's log-probability under
-    the raw logits (B,) f32, its 1-based rank (B,) int64 and the row's log-sum-exp (B,) f32."""
+    the raw logits (B,) f32, its 1-based rank (B,) int64 and the row's log-sum-exp (B,) f32. chunk (a multiple of
+    block) sets the split passes' chunks; every caller that must draw the same tokens uses the same chunk."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -252,14 +450,34 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     with_logprobs = logprobs is not None
     if with_logprobs != (ranks is not None) or with_logprobs != (lse is not None):
         raise ValueError("logprobs, ranks and lse go together")
+    if chunk <= 0 or chunk % block:
+        raise ValueError(f"chunk must be a positive multiple of block ({block}), got {chunk}")
     if rows == 0:
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    chunks = triton.cdiv(vocab, chunk)
+    pf = torch.empty((rows, chunks, _NF), dtype=torch.float32, device=logits.device)  # per-chunk partials
+    pi = torch.empty((rows, chunks, _NI), dtype=torch.int32, device=logits.device)
+    state = torch.empty((rows, 2), dtype=torch.int32, device=logits.device)  # (status, candidate) per row
     dummy = out
-    _sample_rows_kernel[(rows,)](
-        logits, logits.stride(0), vocab, temperature, top_k, top_p, min_p, seeds, step_index, out,
-        logprobs if with_logprobs else dummy, ranks if with_logprobs else dummy, lse if with_logprobs else dummy,
-        BLOCK=SAMPLE_BLOCK, LOGPROBS=with_logprobs, MUL1=_MUL1, MUL2=_MUL2,
-        SALT_SEED=_SALT_SEED, SALT_VOCAB=_SALT_VOCAB, PDL=pdl, num_warps=8, launch_pdl=pdl)
+    split, rows_only = (rows, chunks), (rows,)
+    common = dict(NF=_NF, NI=_NI, PDL=pdl, launch_pdl=pdl)
+    noise = dict(MUL1=_MUL1, MUL2=_MUL2, SALT_SEED=_SALT_SEED, SALT_VOCAB=_SALT_VOCAB)
+    sp = triton.next_power_of_2(chunks)
+    l, s = logits, logits.stride(0)
+    _first_pass_kernel[split](l, s, vocab, chunks, temperature, seeds, step_index, pf, pi, state, CHUNK=chunk,
+                              BLOCK=block, LOGPROBS=with_logprobs, **noise, **common, num_warps=4)
+    nucleus_args = (l, s, vocab, chunks, temperature, top_k, top_p, min_p, pf, pi, state)
+    _nucleus_kernel[split](*nucleus_args, CHUNK=chunk, BLOCK=block, SP=sp, **common, num_warps=4)
+    for _ in range(SPLIT_RERUNS):
+        _rerun_kernel[split](l, s, vocab, chunks, temperature, top_p, min_p, seeds, step_index, pf, pi, state,
+                             CHUNK=chunk, BLOCK=block, SP=sp, **noise, **common, num_warps=4)
+        _nucleus_kernel[split](*nucleus_args, CHUNK=chunk, BLOCK=block, SP=sp, **common, num_warps=4)
+    _final_kernel[rows_only](l, s, vocab, chunks, temperature, top_k, top_p, min_p, seeds, step_index, pf, pi, state,
+                             out, logprobs if with_logprobs else dummy, ranks if with_logprobs else dummy,
+                             lse if with_logprobs else dummy, BLOCK=block, LOGPROBS=with_logprobs, SP=sp, **noise,
+                             **common, num_warps=8)
+    if with_logprobs:
+        _rank_kernel[split](l, s, vocab, out, ranks, CHUNK=chunk, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out
