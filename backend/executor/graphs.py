@@ -4,8 +4,9 @@ A decode graph holds carry-over + forward + logits + the greedy pick for a bucke
 holds carry-over + forward + logits for a bucket of up to 8,192 tokens: prefill chunks beside decode rows, every
 sequence slot of the layout present (the ones the step leaves empty have no tokens), so the step's token count picks
 the graph and nothing else. Its attention kernel finds each program's sequence on the device, so the varying query lengths of a
-mixed step need no host value at capture time. Where the ops have a fused sampler, each decode bucket also has a
-one-kernel sampler graph, replayed after the decode or mixed graph by steps that sample.
+mixed step need no host value at capture time. Where the ops have a fused sampler, each decode bucket also has two
+sampler graphs, replayed after the decode or mixed graph by steps that sample: one with top-k's passes, one without
+for steps in which no row has top-k.
 
 Graphs read their slot's device inputs and the other slot's sampled tokens at fixed addresses, and write logits (model
 dtype) into one buffer outside the pool, so each graph's intermediates can be freed back to the shared pool after
@@ -28,7 +29,8 @@ from backend.models.spec import ModelSpec
 DecodeForward = Callable[..., torch.Tensor]
 # (slot, previous slot, token bucket, logits rows, logits buffer or None) → logits (rows, V)
 MixedForward = Callable[..., torch.Tensor]
-# (slot, bucket, logits (bucket, V)): sample every row into the slot's outputs, settings read from its buffers
+# (slot, bucket, logits (bucket, V), top-k passes or not): sample every row into the slot's outputs, settings read
+# from its buffers
 SampleBody = Callable[..., None]
 
 _BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
@@ -63,7 +65,7 @@ class DecodeGraphs:
             self.token_buckets = [b for b in _TOKEN_BUCKETS if b < top] + [top]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.sampler_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.sampler_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (slot, bucket, top-k)
         self.samples = sample is not None and not self.eager  # sampled steps replay a sampler graph
         self.memory: dict[str, int] = {}
         if self.eager:
@@ -147,17 +149,22 @@ class DecodeGraphs:
         self.graphs[(slot.index, bucket)] = self._record(lambda: self._body(slot, prev_slot, bucket))
         if self.samples:
             # the fused sampler over this bucket's logits as its own small graph: a greedy step replays the decode
-            # graph alone, a sampled one this graph after it
-            self.sampler_graphs[(slot.index, bucket)] = self._record(
-                lambda: self.sample(slot, bucket, self.logits[:bucket]))
+            # graph alone, a sampled one this graph after it (top-k's four radix passes only where a row has top-k)
+            for top_k in (True, False):
+                self.sampler_graphs[(slot.index, bucket, top_k)] = self._record(
+                    lambda: self.sample(slot, bucket, self.logits[:bucket], top_k))
 
     def _capture_mixed(self, slot, prev_slot, tokens: int) -> None:
         self._prepare(slot, tokens)
         self.mixed_graphs[(slot.index, tokens)] = self._record(lambda: self._mixed_body(slot, prev_slot, tokens))
 
-    def replay_sampler(self, slot, bucket: int) -> None:
-        """Replay the sampler graph of (slot, bucket) on the current (compute) stream, after the step's graph."""
-        self.sampler_graphs[(slot.index, bucket)].replay()
+    def has_sampler(self, slot, bucket: int) -> bool:
+        return (slot.index, bucket, True) in self.sampler_graphs
+
+    def replay_sampler(self, slot, bucket: int, top_k: bool) -> None:
+        """Replay the sampler graph of (slot, bucket) on the current (compute) stream, after the step's graph;
+        top_k=False: the one without top-k's passes, for steps where no row has top-k."""
+        self.sampler_graphs[(slot.index, bucket, top_k)].replay()
 
     def replay(self, slot, bucket: int, width: int, max_len: int) -> torch.Tensor:
         """Replay on the current (compute) stream; returns the (bucket, V) logits.

@@ -209,11 +209,11 @@ class SlotPacker:
         h["seq_lens"][num_seqs:S] = 1
         h["logits_idx"][num_sampled:rows] = 0
 
-    def device_rows(self, slot: Slot, rows: int) -> SamplingTensors:
-        """The device views of a slot's leading sampling rows as they stand, every flag on (for a captured
-        sampler: the fused kernel reads each row's settings and ignores the flags but these two)."""
+    def device_rows(self, slot: Slot, rows: int, top_k: bool = True) -> SamplingTensors:
+        """The device views of a slot's leading sampling rows as they stand, every flag on but top-k's as given (for
+        a captured sampler: the fused kernel reads each row's settings and ignores the flags but these)."""
         S = self.layout.max_seqs
-        flags = dict(all_greedy=False, any_top_k=True, any_top_p=True, any_min_p=True, any_penalty=False,
+        flags = dict(all_greedy=False, any_top_k=top_k, any_top_p=True, any_min_p=True, any_penalty=False,
                      num_logprobs=-1)
         return assemble_tensors(slot.dev["sampling_f"].view(6, S)[:, :rows], slot.dev["sampling_i"].view(2, S)[:, :rows],
                                 slot.dev["top_k"][:rows], None, None, flags)

@@ -68,10 +68,11 @@ class ModelRunner:
         hidden = self.model(ids, slot.dev["positions"][:tokens], self.kv_cache, meta)  # (tokens, H)
         return self.model.compute_logits(hidden[slot.dev["logits_idx"][:rows]], out=logits_out)  # (rows, V)
 
-    def sample_every_row(self, slot: Slot, bucket: int, logits: torch.Tensor) -> None:
+    def sample_every_row(self, slot: Slot, bucket: int, logits: torch.Tensor, top_k: bool) -> None:
         """A sampling graph's body: the fused sampler over a bucket's rows, every setting read from the slot's
-        device buffers (padding rows are greedy), so one capture serves any mix of settings."""
-        self.sampler.sample_into(logits, self.packer.device_rows(slot, bucket), slot.targets)
+        device buffers (padding rows are greedy), so one capture serves any mix of settings (top_k=False: any
+        without top-k)."""
+        self.sampler.sample_into(logits, self.packer.device_rows(slot, bucket, top_k), slot.targets)
 
     def warm_up_prefill(self) -> list[tuple[int, int]]:
         """Run the eager forward (prefill, mixed and penalised steps) on harmless inputs; returns its (sequences,
@@ -176,8 +177,9 @@ class ModelRunner:
             if (bucket or tokens) and edits is None and sampling.num_logprobs < 0:
                 if bucket is not None and sampling.all_greedy:
                     return rows, replayed  # the graph already wrote the greedy tokens into this slot's outputs
-                if self.graphs.samples and (slot.index, rows) in self.graphs.sampler_graphs:
-                    self.graphs.replay_sampler(slot, rows)  # the fused sampler, captured for this many rows
+                if self.graphs.samples and self.graphs.has_sampler(slot, rows):
+                    # the fused sampler, captured for this many rows
+                    self.graphs.replay_sampler(slot, rows, sampling.any_top_k)
                     return rows, replayed
             if edits is not None:  # min_tokens bans, logit_bias, allowed_token_ids, bad_words
                 edits.apply(logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:n]])

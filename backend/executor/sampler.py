@@ -281,7 +281,8 @@ class Sampler:
         asked = st.num_logprobs >= 0
         self.fused(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.step_index,
                    out.tokens[:rows], logprobs=out.logprobs[:rows] if asked else None,
-                   ranks=out.ranks[:rows] if asked else None, lse=out.lse[:rows] if asked else None)
+                   ranks=out.ranks[:rows] if asked else None, lse=out.lse[:rows] if asked else None,
+                   any_top_k=st.any_top_k)
         if st.num_logprobs > 0:
             k = st.num_logprobs
             values, ids = logits.topk(k, dim=-1)  # (B, K) of the raw logits, as log_softmax keeps their order

@@ -265,3 +265,18 @@ def test_bad_chunks_are_refused():
     with pytest.raises(ValueError, match="multiple of block"):
         sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"],
                     torch.empty(2, dtype=torch.int64, device=DEVICE), chunk=100, block=64)
+
+
+def test_rows_without_top_k_draw_alike_without_its_passes():
+    """any_top_k=False (steps where no row has top-k) leaves out the radix passes and draws the same tokens."""
+    rows = 12
+    logits = random_logits(rows, seed=14)
+    s, kind = mixed_settings(rows, seed0=5)
+    s["top_k"].zero_()
+    outs = []
+    for any_top_k in (True, False):
+        out = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+        sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"], out,
+                    any_top_k=any_top_k, **SMALL_CHUNKS)
+        outs.append(out)
+    assert outs[0].tolist() == outs[1].tolist()

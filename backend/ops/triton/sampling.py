@@ -12,8 +12,8 @@ the same token whatever batch it shares.
   the cutoff, so rerunning the race above its z keeps every kept token in it: the first winner kept is the
   winner among the kept tokens, with no cutoff computed. With top-p 0.95 the first winner is kept 95% of the time;
 - top-k: its cutoff exactly, by a radix descent over the order-preserving 32-bit keys of z, 8 bits a pass: a
-  histogram of the next byte among the keys that match the bytes decided (4 passes); if the winner is below it,
-  the race is rerun among the top-k;
+  histogram of the next byte among the keys that match the bytes decided (4 passes); a winner below it is rejected
+  like one below the other cutoffs (every top-k token lies above it);
 - with logprobs, one more pass counts the tokens more likely than the pick (its rank).
 A row with temperature 0 takes the first maximum, as torch.argmax does. Every setting is read per row from device
 memory, so a captured graph serves any mix of settings.
@@ -23,9 +23,9 @@ slowest row: at 256 rows one row or more nearly always needs a rerun, so every s
 after another. So pass 1, the top-p pass and the reruns are split: each row's vocabulary is cut into chunks of
 SAMPLE_CHUNK logits, one program a chunk, and the next kernel's programs combine the chunks' partial results
 (a race's winner is the best of the chunks' winners, first index on ties, so the split draws exactly the token one
-program would; the masses are sums of the chunks'). A row's state (open, done, or left to one program) travels
-between the kernels in a small buffer. Rows with top-k, and the rare row still open after the split reruns, finish
-in one program per row at the end. The chunks depend on the vocabulary alone, so a row's draw still ignores the
+program would; the masses are sums of the chunks'). The top-k histograms are split the same way, a kernel summing the chunks'
+histograms after each. A row's state (open or done, its candidate, its top-k cutoff) travels between the kernels in
+a small buffer; the rare row still open after the split reruns finishes in one program at the end. The chunks depend on the vocabulary alone, so a row's draw still ignores the
 batch around it.
 """
 from __future__ import annotations
@@ -74,13 +74,6 @@ def _order_key(z):
 
 
 @triton.jit
-def _key_value(key):
-    """The float32 whose order key is key (inverse of _order_key)."""
-    bits = key ^ tl.where((key >> 31) != 0, 0x80000000, 0xFFFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _scaled(base, offs, V, T):
     x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     return x / T
@@ -94,34 +87,6 @@ def _gumbel(row_key, offs, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_VOCAB: t
     # 23 bits + 0.5: u in (0, 1) exactly, so E = -log(u) is finite and > 0
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     return -tl.log(-tl.log(u))
-
-
-@triton.jit
-def _top_k_floor(base, V, T, k, BLOCK: tl.constexpr):
-    """The order key of the k-th largest z (ties included): a radix descent, 8 key bits a pass, each pass a
-    histogram of the next byte among the keys that match the bytes decided so far."""
-    lanes = tl.arange(0, BLOCK)
-    prefix = tl.full([], 0, tl.uint32)
-    for j in tl.static_range(4):
-        shift = 24 - 8 * j
-        hist = tl.zeros([256], tl.int32)
-        above = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
-            offs = start + lanes
-            valid = offs < V
-            key = _order_key(_scaled(base, offs, V, T))
-            if j == 0:
-                match = valid
-            else:
-                high, decided = key >> (shift + 8), prefix >> (shift + 8)
-                match = valid & (high == decided)
-                above += (valid & (high > decided)).to(tl.int32)
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-        # tokens at or above each candidate byte d: those above the decided prefix, plus the bytes >= d
-        at_least = tl.sum(above, axis=0) + tl.sum(hist, axis=0) - tl.cumsum(hist, 0) + hist  # (256,)
-        d = tl.maximum(tl.sum((at_least >= k).to(tl.int32), axis=0) - 1, 0)
-        prefix = prefix | (d.to(tl.uint32) << shift)
-    return prefix
 
 
 @triton.jit
@@ -158,10 +123,10 @@ def _in_nucleus(base, V, T, max_z, floor_key, z_c, top_p, BLOCK: tl.constexpr):
     return tl.sum(above, axis=0) < top_p * tl.sum(whole, axis=0)
 
 
-# a row's state between the kernels: (status, candidate token)
-_OPEN = 0  # sampled, its candidate not decided yet
+# a row's state between the kernels: (status, candidate token, top-k cutoff as an order key's bits)
+_NS = 3
+_OPEN = 0  # its candidate not decided yet
 _DONE = 1  # its token is final
-_WHOLE = 2  # finished by one program at the end (top-k rows)
 # per-chunk partial results: float fields of (rows, chunks, _NF), int fields of (rows, chunks, _NI)
 _NF, _X_MAX, _X_SUM, _RACE, _ABOVE, _MASS = 5, 0, 1, 2, 3, 4
 _NI, _X_AT, _RACE_AT = 2, 0, 1
@@ -199,10 +164,10 @@ def _sum_of_chunks(pf_ptr, row, S, F: tl.constexpr, NF: tl.constexpr, SP: tl.con
 
 
 @triton.jit
-def _kept(pf_ptr, row, S, z_c, max_z, top_p, min_p, NF: tl.constexpr, ABOVE: tl.constexpr, MASS: tl.constexpr,
-          SP: tl.constexpr):
-    """Whether the candidate z_c passes min-p and, from the chunks' masses, top-p (as _in_nucleus decides)."""
-    kept = tl.exp(z_c - max_z) >= min_p
+def _kept(pf_ptr, row, S, z_c, max_z, floor_key, top_p, min_p, NF: tl.constexpr, ABOVE: tl.constexpr,
+          MASS: tl.constexpr, SP: tl.constexpr):
+    """Whether the candidate z_c passes top-k, min-p and, from the chunks' masses, top-p (as _in_nucleus decides)."""
+    kept = (_order_key(z_c) >= floor_key) & (tl.exp(z_c - max_z) >= min_p)
     if kept & (top_p < 1.0):
         kept = _sum_of_chunks(pf_ptr, row, S, ABOVE, NF, SP) < top_p * _sum_of_chunks(pf_ptr, row, S, MASS, NF, SP)
     return kept
@@ -211,7 +176,7 @@ def _kept(pf_ptr, row, S, z_c, max_z, top_p, min_p, NF: tl.constexpr, ABOVE: tl.
 @triton.jit
 def _first_pass_kernel(logits_ptr, stride_l, V, S, temp_ptr, seed_ptr, step_ptr, pf_ptr, pi_ptr, state_ptr,
                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, LOGPROBS: tl.constexpr, NF: tl.constexpr,
-                       NI: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr,
+                       NI: tl.constexpr, NS: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr,
                        SALT_VOCAB: tl.constexpr, PDL: tl.constexpr):
     """Pass 1 over one chunk of one row: its maximum and first index, with logprobs the sum of exp(x - max), and
     for a sampled row the race's winner in the chunk."""
@@ -258,48 +223,105 @@ def _first_pass_kernel(logits_ptr, stride_l, V, S, temp_ptr, seed_ptr, step_ptr,
     tl.store(pf_ptr + slot * NF + 2, race)
     tl.store(pi_ptr + slot * NI + 1, tl.min(tl.where(top_score == race, top_at, V), axis=0))
     if chunk == 0:
-        tl.store(state_ptr + row * 2, 0)  # _OPEN
+        tl.store(state_ptr + row * NS, 0)  # _OPEN
+        tl.store(state_ptr + row * NS + 2, 0)  # no top-k cutoff yet
 
 
 @triton.jit
-def _nucleus_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, pf_ptr, pi_ptr, state_ptr,
-                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr, SP: tl.constexpr,
-                    PDL: tl.constexpr):
-    """An open row's candidate is the best of the chunks' race winners; with top-p, one chunk's masses: all of it,
-    and the part strictly above the candidate. Greedy rows, and candidates min-p alone keeps, are done here; top-k
-    rows are left to the final kernel."""
+def _top_k_hist_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, state_ptr, hist_ptr, above_ptr,
+                       SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
+                       PDL: tl.constexpr):
+    """One pass of top-k's radix descent over one chunk of a top-k row: the histogram of the key byte at SHIFT among
+    the keys whose higher bytes are the ones decided, and how many keys lie above those."""
     allow_dependents(PDL)
     dependent_wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    if tl.load(state_ptr + row * 2) != 0:  # not _OPEN
+    T = tl.load(temp_ptr + row)
+    k = tl.load(top_k_ptr + row)
+    if (T <= 0) | (k <= 0) | (k >= V):
+        return
+    base = logits_ptr + row.to(tl.int64) * stride_l
+    prefix = tl.load(state_ptr + row * NS + 2).to(tl.uint32, bitcast=True)
+    lanes = tl.arange(0, BLOCK)
+    hist = tl.zeros([256], tl.int32)
+    above = tl.zeros([BLOCK], tl.int32)
+    lo = chunk * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for start in range(lo, hi, BLOCK):
+        offs = start + lanes
+        valid = offs < hi
+        key = _order_key(_scaled(base, offs, hi, T))
+        if SHIFT == 24:
+            match = valid
+        else:
+            high, decided = key >> (SHIFT + 8), prefix >> (SHIFT + 8)
+            match = valid & (high == decided)
+            above += (valid & (high > decided)).to(tl.int32)
+        hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=match)
+    slot = row.to(tl.int64) * S + chunk
+    tl.store(hist_ptr + slot * 256 + tl.arange(0, 256), hist)
+    tl.store(above_ptr + slot, tl.sum(above, axis=0))
+
+
+@triton.jit
+def _top_k_pick_kernel(V, S, temp_ptr, top_k_ptr, state_ptr, hist_ptr, above_ptr, SHIFT: tl.constexpr,
+                       NS: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+    """The chunks' histograms summed: the key byte at SHIFT of the k-th largest z (ties included) joins the cutoff."""
+    allow_dependents(PDL)
+    dependent_wait(PDL)
+    row = tl.program_id(0)
+    T = tl.load(temp_ptr + row)
+    k = tl.load(top_k_ptr + row)
+    if (T <= 0) | (k <= 0) | (k >= V):
+        return
+    c = tl.arange(0, SP)
+    slot = row.to(tl.int64) * S + c
+    hist = tl.sum(tl.load(hist_ptr + slot[:, None] * 256 + tl.arange(0, 256)[None, :], mask=(c < S)[:, None],
+                          other=0), axis=0)  # (256,)
+    above = tl.sum(tl.load(above_ptr + slot, mask=c < S, other=0), axis=0)
+    # tokens at or above each candidate byte d: those above the decided prefix, plus the bytes >= d
+    at_least = above + tl.sum(hist, axis=0) - tl.cumsum(hist, 0) + hist
+    d = tl.maximum(tl.sum((at_least >= k).to(tl.int32), axis=0) - 1, 0)
+    prefix = tl.load(state_ptr + row * NS + 2).to(tl.uint32, bitcast=True) | (d.to(tl.uint32) << SHIFT)
+    tl.store(state_ptr + row * NS + 2, prefix.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _nucleus_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, pf_ptr, pi_ptr, state_ptr,
+                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr, NS: tl.constexpr,
+                    SP: tl.constexpr, PDL: tl.constexpr):
+    """An open row's candidate is the best of the chunks' race winners; with top-p, one chunk's masses among the
+    tokens top-k keeps: all of them, and the part strictly above the candidate. Greedy rows, and candidates that
+    top-k and min-p alone keep, are done here."""
+    allow_dependents(PDL)
+    dependent_wait(PDL)
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if tl.load(state_ptr + row * NS) != 0:  # not _OPEN
         return
     T = tl.load(temp_ptr + row)
     x_max, x_at = _best_of_chunks(pf_ptr, pi_ptr, row, S, 0, 0, V, NF, NI, SP)
     if T <= 0:  # greedy: the first maximum
         if chunk == 0:
-            tl.store(state_ptr + row * 2 + 1, x_at)
-            tl.store(state_ptr + row * 2, 1)  # _DONE
-        return
-    k = tl.load(top_k_ptr + row)
-    if (k > 0) & (k < V):
-        if chunk == 0:
-            tl.store(state_ptr + row * 2, 2)  # _WHOLE
+            tl.store(state_ptr + row * NS + 1, x_at)
+            tl.store(state_ptr + row * NS, 1)  # _DONE
         return
     _, token = _best_of_chunks(pf_ptr, pi_ptr, row, S, 2, 1, V, NF, NI, SP)
     token = tl.minimum(token, V - 1)  # in range even for a row of NaN logits, which no race wins
     if chunk == 0:
-        tl.store(state_ptr + row * 2 + 1, token)
+        tl.store(state_ptr + row * NS + 1, token)
     base = logits_ptr + row.to(tl.int64) * stride_l
     max_z = x_max / T  # dividing by T > 0 keeps the order, so this is the largest z
     z_c = tl.load(base + token).to(tl.float32) / T
+    floor_key = tl.load(state_ptr + row * NS + 2).to(tl.uint32, bitcast=True)
     top_p = tl.load(top_p_ptr + row)
-    min_ok = tl.exp(z_c - max_z) >= tl.load(min_p_ptr + row)
+    cut_ok = (_order_key(z_c) >= floor_key) & (tl.exp(z_c - max_z) >= tl.load(min_p_ptr + row))
     if top_p >= 1.0:
-        if (chunk == 0) & min_ok:
-            tl.store(state_ptr + row * 2, 1)  # _DONE
+        if (chunk == 0) & cut_ok:
+            tl.store(state_ptr + row * NS, 1)  # _DONE
         return
-    if min_ok:  # else the next kernel reruns the race without the masses
+    if cut_ok:  # else the next kernel reruns the race without the masses
         lanes = tl.arange(0, BLOCK)
         above = tl.zeros([BLOCK], tl.float32)
         whole = tl.zeros([BLOCK], tl.float32)
@@ -308,7 +330,7 @@ def _nucleus_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, top_p_ptr, 
         for start in range(lo, hi, BLOCK):
             offs = start + lanes
             z = _scaled(base, offs, hi, T)
-            weight = tl.where(offs < hi, tl.exp(z - max_z), 0.0)
+            weight = tl.where((_order_key(z) >= floor_key) & (offs < hi), tl.exp(z - max_z), 0.0)
             whole += weight
             above += tl.where(z > z_c, weight, 0.0)
         slot = row.to(tl.int64) * S + chunk
@@ -319,23 +341,25 @@ def _nucleus_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, top_p_ptr, 
 @triton.jit
 def _rerun_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr, pf_ptr, pi_ptr,
                   state_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr,
-                  SP: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr,
+                  NS: tl.constexpr, SP: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr,
                   SALT_VOCAB: tl.constexpr, PDL: tl.constexpr):
-    """An open row whose candidate the masses keep is done; otherwise the race is rerun in this chunk above the
-    candidate's z (the next nucleus kernel combines the chunks' winners)."""
+    """An open row whose candidate the cutoffs keep is done; otherwise the race is rerun in this chunk above the
+    candidate's z, among the tokens top-k keeps (the next nucleus kernel combines the chunks' winners)."""
     allow_dependents(PDL)
     dependent_wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    if tl.load(state_ptr + row * 2) != 0:  # not _OPEN
+    if tl.load(state_ptr + row * NS) != 0:  # not _OPEN
         return
     T = tl.load(temp_ptr + row)
     x_max, _ = _best_of_chunks(pf_ptr, pi_ptr, row, S, 0, 0, V, NF, NI, SP)
     base = logits_ptr + row.to(tl.int64) * stride_l
-    z_c = tl.load(base + tl.load(state_ptr + row * 2 + 1)).to(tl.float32) / T
-    if _kept(pf_ptr, row, S, z_c, x_max / T, tl.load(top_p_ptr + row), tl.load(min_p_ptr + row), NF, 3, 4, SP):
+    z_c = tl.load(base + tl.load(state_ptr + row * NS + 1)).to(tl.float32) / T
+    floor_key = tl.load(state_ptr + row * NS + 2).to(tl.uint32, bitcast=True)
+    if _kept(pf_ptr, row, S, z_c, x_max / T, floor_key, tl.load(top_p_ptr + row), tl.load(min_p_ptr + row), NF, 3, 4,
+             SP):
         if chunk == 0:
-            tl.store(state_ptr + row * 2, 1)  # _DONE
+            tl.store(state_ptr + row * NS, 1)  # _DONE
         return
     row_key = _row_key(seed_ptr, step_ptr, row, MUL1, MUL2, SALT_SEED)
     lanes = tl.arange(0, BLOCK)
@@ -346,7 +370,8 @@ def _rerun_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, se
     for start in range(lo, hi, BLOCK):
         offs = start + lanes
         z = _scaled(base, offs, hi, T)
-        score = tl.where((z > z_c) & (offs < hi), z + _gumbel(row_key, offs, MUL1, MUL2, SALT_VOCAB), float("-inf"))
+        inside = (z > z_c) & (_order_key(z) >= floor_key) & (offs < hi)
+        score = tl.where(inside, z + _gumbel(row_key, offs, MUL1, MUL2, SALT_VOCAB), float("-inf"))
         top_at = tl.where(score > top_score, offs, top_at)
         top_score = tl.maximum(top_score, score)
     slot = row.to(tl.int64) * S + chunk
@@ -356,41 +381,29 @@ def _rerun_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, se
 
 
 @triton.jit
-def _final_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
-                  pf_ptr, pi_ptr, state_ptr, out_ptr, logprob_ptr, rank_ptr, lse_ptr,
-                  BLOCK: tl.constexpr, LOGPROBS: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr, SP: tl.constexpr,
-                  MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr, SALT_VOCAB: tl.constexpr,
-                  PDL: tl.constexpr):
-    """One program a row: a done row's token is written; a top-k row, or one still open after the split reruns,
-    is finished here (the whole row, pass after pass); with logprobs, the pick's log-probability and the row's
-    log-sum-exp, its rank set to 1 (the rank kernel adds the tokens above it)."""
+def _final_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr, pf_ptr, pi_ptr,
+                  state_ptr, out_ptr, logprob_ptr, rank_ptr, lse_ptr,
+                  BLOCK: tl.constexpr, LOGPROBS: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr, NS: tl.constexpr,
+                  SP: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr,
+                  SALT_VOCAB: tl.constexpr, PDL: tl.constexpr):
+    """One program a row: a done row's token is written; a row still open after the split reruns is finished here
+    (the whole row, pass after pass); with logprobs, the pick's log-probability and the row's log-sum-exp, its rank
+    set to 1 (the rank kernel adds the tokens above it)."""
     allow_dependents(PDL)
     dependent_wait(PDL)
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_l
-    status = tl.load(state_ptr + row * 2)
-    token = tl.load(state_ptr + row * 2 + 1)
-    if status != 1:  # not _DONE: a sampled row
+    token = tl.load(state_ptr + row * NS + 1)
+    if tl.load(state_ptr + row * NS) != 1:  # still _OPEN: its last candidate, with the masses last summed
         T = tl.load(temp_ptr + row)
         x_max, _ = _best_of_chunks(pf_ptr, pi_ptr, row, S, 0, 0, V, NF, NI, SP)
         max_z = x_max / T
         top_p = tl.load(top_p_ptr + row)
         min_p = tl.load(min_p_ptr + row)
+        floor_key = tl.load(state_ptr + row * NS + 2).to(tl.uint32, bitcast=True)
         row_key = _row_key(seed_ptr, step_ptr, row, MUL1, MUL2, SALT_SEED)
-        floor_key = tl.full([], 0, tl.uint32)
-        if status == 2:  # _WHOLE: top-k's cutoff, then the first pass's winner checked against every cutoff
-            floor_key = _top_k_floor(base, V, T, tl.load(top_k_ptr + row), BLOCK)
-            _, token = _best_of_chunks(pf_ptr, pi_ptr, row, S, 2, 1, V, NF, NI, SP)
-            z_c = tl.load(base + token).to(tl.float32) / T
-            if _order_key(z_c) < floor_key:  # top-k removed the winner: race among the top-k
-                token = _race(base, V, T, row_key, float("-inf"), floor_key, MUL1, MUL2, SALT_VOCAB, BLOCK)
-                z_c = tl.load(base + token).to(tl.float32) / T
-            kept = tl.exp(z_c - max_z) >= min_p
-            if top_p < 1.0:
-                kept = kept & _in_nucleus(base, V, T, max_z, floor_key, z_c, top_p, BLOCK)
-        else:  # open after the split reruns: its last candidate, with the masses the last nucleus kernel summed
-            z_c = tl.load(base + token).to(tl.float32) / T
-            kept = _kept(pf_ptr, row, S, z_c, max_z, top_p, min_p, NF, 3, 4, SP)
+        z_c = tl.load(base + token).to(tl.float32) / T
+        kept = _kept(pf_ptr, row, S, z_c, max_z, floor_key, top_p, min_p, NF, 3, 4, SP)
         while not kept:
             token = _race(base, V, T, row_key, z_c, floor_key, MUL1, MUL2, SALT_VOCAB, BLOCK)
             z_c = tl.load(base + token).to(tl.float32) / T
@@ -434,14 +447,15 @@ def _rank_kernel(logits_ptr, stride_l, V, out_ptr, rank_ptr, CHUNK: tl.constexpr
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, seeds: torch.Tensor, step_index: torch.Tensor, out: torch.Tensor, *,
                 logprobs: torch.Tensor | None = None, ranks: torch.Tensor | None = None,
-                lse: torch.Tensor | None = None, pdl: bool = False, chunk: int = SAMPLE_CHUNK,
-                block: int = SAMPLE_BLOCK) -> torch.Tensor:
+                lse: torch.Tensor | None = None, pdl: bool = False, any_top_k: bool = True,
+                chunk: int = SAMPLE_CHUNK, block: int = SAMPLE_BLOCK) -> torch.Tensor:
     """Sample one token per row of logits (B, V) into out (B,) int64; returns out.
 
     Per row (all (B,) device tensors): temperature f32 (0: greedy), top_k int32 (<= 0: off), top_p f32, min_p f32,
     seeds and step_index int64. With logprobs, ranks and lse (all three or none): the pick's log-probability under
-    the raw logits (B,) f32, its 1-based rank (B,) int64 and the row's log-sum-exp (B,) f32. chunk (a multiple of
-    block) sets the split passes' chunks; every caller that must draw the same tokens uses the same chunk."""
+    the raw logits (B,) f32, its 1-based rank (B,) int64 and the row's log-sum-exp (B,) f32. any_top_k=False leaves
+    out top-k's passes: only for rows none of which has top-k on. chunk (a multiple of block) sets the split passes'
+    chunks; every caller that must draw the same tokens uses the same chunk."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -457,27 +471,37 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     chunks = triton.cdiv(vocab, chunk)
-    pf = torch.empty((rows, chunks, _NF), dtype=torch.float32, device=logits.device)  # per-chunk partials
-    pi = torch.empty((rows, chunks, _NI), dtype=torch.int32, device=logits.device)
-    state = torch.empty((rows, 2), dtype=torch.int32, device=logits.device)  # (status, candidate) per row
+    device = logits.device
+    pf = torch.empty((rows, chunks, _NF), dtype=torch.float32, device=device)  # per-chunk partial results
+    pi = torch.empty((rows, chunks, _NI), dtype=torch.int32, device=device)
+    state = torch.empty((rows, _NS), dtype=torch.int32, device=device)  # per row: status, candidate, top-k cutoff
     dummy = out
-    split, rows_only = (rows, chunks), (rows,)
-    common = dict(NF=_NF, NI=_NI, PDL=pdl, launch_pdl=pdl)
+    split = (rows, chunks)
+    common = dict(PDL=pdl, launch_pdl=pdl)
+    sizes = dict(NF=_NF, NI=_NI, NS=_NS, SP=triton.next_power_of_2(chunks))
     noise = dict(MUL1=_MUL1, MUL2=_MUL2, SALT_SEED=_SALT_SEED, SALT_VOCAB=_SALT_VOCAB)
-    sp = triton.next_power_of_2(chunks)
+    walk = dict(CHUNK=chunk, BLOCK=block, num_warps=4)
     l, s = logits, logits.stride(0)
-    _first_pass_kernel[split](l, s, vocab, chunks, temperature, seeds, step_index, pf, pi, state, CHUNK=chunk,
-                              BLOCK=block, LOGPROBS=with_logprobs, **noise, **common, num_warps=4)
-    nucleus_args = (l, s, vocab, chunks, temperature, top_k, top_p, min_p, pf, pi, state)
-    _nucleus_kernel[split](*nucleus_args, CHUNK=chunk, BLOCK=block, SP=sp, **common, num_warps=4)
+    _first_pass_kernel[split](l, s, vocab, chunks, temperature, seeds, step_index, pf, pi, state, LOGPROBS=with_logprobs,
+                              NF=_NF, NI=_NI, NS=_NS, **noise, **walk, **common)
+    if any_top_k:
+        hist = torch.empty((rows, chunks, 256), dtype=torch.int32, device=device)  # one radix pass's histograms
+        above = torch.empty((rows, chunks), dtype=torch.int32, device=device)
+        for shift in (24, 16, 8, 0):
+            _top_k_hist_kernel[split](l, s, vocab, chunks, temperature, top_k, state, hist, above, SHIFT=shift,
+                                      NS=_NS, **walk, **common)
+            _top_k_pick_kernel[(rows,)](vocab, chunks, temperature, top_k, state, hist, above, SHIFT=shift, NS=_NS,
+                                        SP=sizes["SP"], **common, num_warps=4)
+    nucleus_args = (l, s, vocab, chunks, temperature, top_p, min_p, pf, pi, state)
+    _nucleus_kernel[split](*nucleus_args, **sizes, **walk, **common)
     for _ in range(SPLIT_RERUNS):
         _rerun_kernel[split](l, s, vocab, chunks, temperature, top_p, min_p, seeds, step_index, pf, pi, state,
-                             CHUNK=chunk, BLOCK=block, SP=sp, **noise, **common, num_warps=4)
-        _nucleus_kernel[split](*nucleus_args, CHUNK=chunk, BLOCK=block, SP=sp, **common, num_warps=4)
-    _final_kernel[rows_only](l, s, vocab, chunks, temperature, top_k, top_p, min_p, seeds, step_index, pf, pi, state,
-                             out, logprobs if with_logprobs else dummy, ranks if with_logprobs else dummy,
-                             lse if with_logprobs else dummy, BLOCK=block, LOGPROBS=with_logprobs, SP=sp, **noise,
-                             **common, num_warps=8)
+                             **sizes, **noise, **walk, **common)
+        _nucleus_kernel[split](*nucleus_args, **sizes, **walk, **common)
+    _final_kernel[(rows,)](l, s, vocab, chunks, temperature, top_p, min_p, seeds, step_index, pf, pi, state, out,
+                           logprobs if with_logprobs else dummy, ranks if with_logprobs else dummy,
+                           lse if with_logprobs else dummy, BLOCK=block, LOGPROBS=with_logprobs, **sizes, **noise,
+                           **common, num_warps=8)
     if with_logprobs:
-        _rank_kernel[split](l, s, vocab, out, ranks, CHUNK=chunk, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4)
+        _rank_kernel[split](l, s, vocab, out, ranks, **walk, **common)
     return out
