@@ -77,6 +77,17 @@ WORKLOADS = {
 }
 
 
+def synthetic_params(max_tokens: int, decoding: str, seed: int) -> SamplingParams:
+    """A synthetic workload's request: greedy, or sampled with T 0.8, top-p 0.95 and top-k 50 (seeded); EOS ignored,
+    so it decodes max_tokens either way."""
+    if decoding == "greedy":
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if decoding == "sampled":
+        return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, top_k=50, seed=seed,
+                              ignore_eos=True)
+    raise ValueError(f"decoding must be 'greedy' or 'sampled', got {decoding!r}")
+
+
 def make_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, min(vocab, 250)) for _ in range(rng.randint(*lengths))] for _ in range(n)]
@@ -107,8 +118,7 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
         if wl.traffic is not None:
             prompts, params = wl.traffic.build(vocab, decoding)
         else:
-            params = [SamplingParams(max_tokens=wl.max_tokens(i), temperature=0.0, ignore_eos=True)
-                      for i in range(n)]
+            params = [synthetic_params(wl.max_tokens(i), decoding, seed=i) for i in range(n)]
             prompts = make_prompts(n, wl.prompt_len, vocab)
         hits_before = engine.stats()["prefix_cache_hits"], engine.stats()["prefix_cache_queries"]
         if engine.device.type == "cuda":
@@ -138,6 +148,8 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
             result["gpu_kernel_busy"] = round(kernel_busy, 4)
         for k in kernels:
             print(f"kernel  {k['ms']:10.2f} ms  {k['share']:6.1%}  {k['calls']:7d} calls  {k['name']}", flush=True)
+        if wl.traffic is None and decoding != "greedy":
+            result["decoding"] = decoding
         if wl.traffic is not None:
             stats = engine.stats()
             queries = stats["prefix_cache_queries"] - hits_before[1]
@@ -145,7 +157,7 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
                           total_tok_per_s=round((tokens + sum(map(len, prompts))) / wall, 1),
                           prefix_hit_rate=round((stats["prefix_cache_hits"] - hits_before[0]) / queries, 3)
                           if queries else 0.0)
-        elif wl.model == STAND_IN:
+        elif wl.model == STAND_IN and decoding == "greedy":
             from backend.models.standin import expected_tokens
 
             result["all_tokens_exact"] = all(o.token_ids == expected_tokens(p, wl.max_tokens(i), vocab)
@@ -215,8 +227,10 @@ def main(argv=None) -> int:
                     help="CUDA: run under torch.profiler and report its kernel time over the wall (gpu_kernel_busy)")
     ap.add_argument("--kernel-top", type=int, default=0, metavar="N",
                     help="CUDA: as --kernel-busy, and print the N kernels that took the most GPU time")
-    ap.add_argument("--decoding", default="greedy,sampled",
-                    help="for the mix workloads: greedy, sampled (T 0.7-0.8, top-p 0.95, seeded) or both")
+    ap.add_argument("--decoding", default=None,
+                    help="greedy, sampled or both (greedy,sampled). Mix workloads sample with T 0.7-0.8 and top-p 0.95 "
+                         "and run both unless told; synthetic ones sample with T 0.8, top-p 0.95 and top-k 50 and "
+                         "run greedy unless told. Sampled requests are seeded")
     ap.add_argument("--compare-new-tokens", type=int, default=None,
                     help="new tokens for the transformers runs (default: the workload's); tok/s is quoted")
     args = ap.parse_args(argv)
@@ -236,7 +250,7 @@ def main(argv=None) -> int:
     rows = []
     if wl.traffic is not None and args.requests:
         wl.traffic = replace(wl.traffic, num_requests=wl.requests[0])
-    decodings = args.decoding.split(",") if wl.traffic is not None else ["greedy"]
+    decodings = (args.decoding or ("greedy,sampled" if wl.traffic is not None else "greedy")).split(",")
     for n in wl.requests:
         for decoding in decodings:
             for mode in args.modes.split(","):

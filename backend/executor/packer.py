@@ -9,8 +9,8 @@ import numpy as np
 from backend.core.kv_cache import NULL_BLOCK
 from backend.core.scheduler import ScheduledBatch
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
-from backend.executor.sampler import SamplingTensors, assemble_tensors, fill_padding_rows, fill_request_rows, \
-    pad_token_table
+from backend.executor.sampler import SamplingTensors, fill_padding_rows, fill_request_rows, pad_token_table, \
+    tensors_from_rows
 from backend.executor.steady_sampling import SteadySamplingRows, merge_flags
 from backend.request import Request
 
@@ -212,20 +212,15 @@ class SlotPacker:
     def device_rows(self, slot: Slot, rows: int, top_k: bool = True) -> SamplingTensors:
         """The device views of a slot's leading sampling rows as they stand, every flag on but top-k's as given (for
         a captured sampler: the fused kernel reads each row's settings and ignores the flags but these)."""
-        S = self.layout.max_seqs
         flags = dict(all_greedy=False, any_top_k=top_k, any_top_p=True, any_min_p=True, any_penalty=False,
                      num_logprobs=-1)
-        return assemble_tensors(slot.dev["sampling_f"].view(6, S)[:, :rows], slot.dev["sampling_i"].view(2, S)[:, :rows],
-                                slot.dev["top_k"][:rows], None, None, flags)
+        return tensors_from_rows(slot.sampling_views(rows), None, None, flags)
 
     def sampling_rows(self, st: StepState, rows: int) -> SamplingTensors:
         """Fill the slot's sampling rows on the host; return the device views the sampler reads."""
         slot, reqs = st.slot, st.sampled
         n = len(reqs)
-        S = self.layout.max_seqs
-        host_f = slot.np["sampling_f"].reshape(6, S)
-        host_i = slot.np["sampling_i"].reshape(2, S)
-        host_k = slot.np["top_k"]
+        host_f, host_i, host_k = slot.sampling_host
         sb = st.batch.steady
         # the steady rows lead the step's sampled rows, as packed (no row has left or joined since: same version)
         first = st.batch.num_steady_rows if sb is not None and st.steady_version == sb.version else 0
@@ -241,9 +236,7 @@ class SlotPacker:
             # outputs before this step's input token; the input token itself is appended on the device
             output = pad_token_table([r.output_token_ids[:max(0, r.num_computed_tokens - 1 - r.num_prompt_tokens)]
                                   for r in reqs], rows, self.device)
-        dev_f = slot.dev["sampling_f"].view(6, S)[:, :rows]
-        dev_i = slot.dev["sampling_i"].view(2, S)[:, :rows]
-        tensors = assemble_tensors(dev_f, dev_i, slot.dev["top_k"][:rows], prompt, output, flags)
+        tensors = tensors_from_rows(slot.sampling_views(rows), prompt, output, flags)
         st.read_logprobs = flags["num_logprobs"] >= 0
         st.num_top = max(0, flags["num_logprobs"])
         return tensors

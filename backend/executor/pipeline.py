@@ -34,17 +34,21 @@ class Slot:
         # int64 region: input_ids | positions | slot_mapping | carry_src | logits_idx | sampling (seeds, step)
         self.i64_sizes = dict(input_ids=T, positions=T, slot_mapping=T, carry_src=T, logits_idx=S,
                               sampling_i=2 * S)
+        # float32 region: the sampler's six per-row settings, laid out (6, S)
+        self.f32_sizes = dict(sampling_f=6 * S)
         # int32 region: query_start_loc | seq_lens | top_k | block_tables (last, so a prefix copy suffices)
         self.i32_sizes = dict(query_start_loc=S + 1, seq_lens=S, top_k=S, block_tables=S * W)
         self.i32_prefix = 3 * S + 1  # elements before the block tables
-        # float32 region: the sampler's six per-row settings, laid out (6, S)
-        self.f32_sizes = dict(sampling_f=6 * S)
-        self.host_i64 = torch.zeros(sum(self.i64_sizes.values()), dtype=torch.int64, pin_memory=pin)
-        self.host_i32 = torch.zeros(sum(self.i32_sizes.values()), dtype=torch.int32, pin_memory=pin)
-        self.host_f32 = torch.zeros(sum(self.f32_sizes.values()), dtype=torch.float32, pin_memory=pin)
-        self.dev_i64 = torch.zeros_like(self.host_i64, device=device)
-        self.dev_i32 = torch.zeros_like(self.host_i32, device=device)
-        self.dev_f32 = torch.zeros_like(self.host_f32, device=device)
+        # every input in one pinned buffer and its device twin, the regions in that order (each starts 8-byte
+        # aligned), so a step's inputs go over in one copy: all of it up to the block-table rows the step uses
+        i64_bytes = 8 * sum(self.i64_sizes.values())
+        f32_bytes = 8 * -(-sum(self.f32_sizes.values()) // 2)
+        self.i32_offset = i64_bytes + f32_bytes  # bytes before the int32 region
+        self.host_inputs = torch.zeros(self.i32_offset + 4 * sum(self.i32_sizes.values()), dtype=torch.uint8,
+                                       pin_memory=pin)
+        self.dev_inputs = torch.zeros_like(self.host_inputs, device=device)
+        self.host_i64, self.host_f32, self.host_i32 = _regions(self.host_inputs, i64_bytes, self.i32_offset)
+        self.dev_i64, self.dev_f32, self.dev_i32 = _regions(self.dev_inputs, i64_bytes, self.i32_offset)
         self.host = _views(self.host_i64, self.i64_sizes) | _views(self.host_i32, self.i32_sizes) | _views(
             self.host_f32, self.f32_sizes)
         self.dev = _views(self.dev_i64, self.i64_sizes) | _views(self.dev_i32, self.i32_sizes) | _views(
@@ -52,6 +56,10 @@ class Slot:
         self.host["block_tables"] = self.host["block_tables"].view(S, W)
         self.dev["block_tables"] = self.dev["block_tables"].view(S, W)
         self.np = {k: v.numpy() for k, v in self.host.items()}  # numpy views of the pinned buffers
+        # the sampler's per-row settings as (field, row) arrays: floats (6, S), seeds and step indices (2, S), top-k
+        self.sampling_host = (self.np["sampling_f"].reshape(6, S), self.np["sampling_i"].reshape(2, S),
+                              self.np["top_k"])
+        self._sampling_views: dict[int, tuple[torch.Tensor, ...]] = {}
         # per block-table row: (the request's block list, blocks written), so a step writes only new blocks
         self.table_owners: list[tuple[list[int], int] | None] = [None] * S
         # outputs: sampled tokens and their logprobs, written by the compute stream, read back by D2H
@@ -74,6 +82,21 @@ class Slot:
         self.in_use = False  # a launched step's results are still unread
         self._leading: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def input_bytes(self, n_i32: int) -> int:
+        """Bytes of the input buffer a step copies over: every region, the int32 one up to n_i32 elements."""
+        return self.i32_offset + 4 * n_i32
+
+    def sampling_views(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """The device rows [0, rows) of each sampling setting, made once per row count (views cost µs each):
+        temperature, top_p, min_p, repetition, presence and frequency penalties, seeds, step indices, top_k."""
+        views = self._sampling_views.get(rows)
+        if views is None:
+            S = self.out_tokens.shape[0]
+            f = self.dev["sampling_f"].view(6, S)[:, :rows]
+            i = self.dev["sampling_i"].view(2, S)[:, :rows]
+            views = self._sampling_views[rows] = (*f.unbind(0), *i.unbind(0), self.dev["top_k"][:rows])
+        return views
+
     def leading_views(self, dst_name: str, src_name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(dst[:n], src[:n]) of two of this slot's buffers, made once per length: views cost µs each step."""
         key = (dst_name, n)
@@ -81,6 +104,12 @@ class Slot:
         if pair is None:
             pair = self._leading[key] = (getattr(self, dst_name)[:n], getattr(self, src_name)[:n])
         return pair
+
+
+def _regions(flat: torch.Tensor, f32_offset: int, i32_offset: int) -> tuple[torch.Tensor, ...]:
+    """The int64, float32 and int32 regions of a byte buffer, as typed views."""
+    return (flat[:f32_offset].view(torch.int64), flat[f32_offset:i32_offset].view(torch.float32),
+            flat[i32_offset:].view(torch.int32))
 
 
 def _views(flat: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -144,22 +173,20 @@ class Pipeline:
     def other(self, slot: Slot) -> Slot:
         return self.slots[slot.index ^ 1]
 
-    def launch(self, slot: Slot, n_i64: int, n_i32: int, n_f32: int, compute: Callable[[], tuple[int, bool]],
-               read_logprobs: bool) -> None:
-        """Queue H2D copy → compute (carry-over, forward, sample) → D2H copy; returns without waiting. compute
-        queues the step's device work and returns (rows sampled, whether that work was CUDA graph replays only)."""
+    def launch(self, slot: Slot, n_i32: int, compute: Callable[[], tuple[int, bool]], read_logprobs: bool) -> None:
+        """Queue H2D copy → compute (carry-over, forward, sample) → D2H copy; returns without waiting. The copy
+        takes every input but the int32 region past n_i32 elements (block-table rows the step does not use).
+        compute queues the step's device work and returns (rows sampled, whether that work was CUDA graph replays
+        only)."""
         tl = self.timeline
         try:
             self._use(self.h2d_stream)
             # why: the previous step that used this slot must have finished reading its device inputs
             slot.compute_done.wait(self.h2d_stream)
             tl.gpu_begin("h2d", self.h2d_stream)
-            for dst, src in (slot.leading_views("dev_i64", "host_i64", n_i64), slot.leading_views("dev_i32", "host_i32", n_i32)):
-                dst.copy_(src, non_blocking=True)
-            if n_f32:  # 0: a plain-greedy graph step reads no sampling settings
-                dst, src = slot.leading_views("dev_f32", "host_f32", n_f32)
-                dst.copy_(src, non_blocking=True)
-            tl.gpu_end("h2d", self.h2d_stream)  # two or three copies launched apart: the GPU's progress decides
+            dst, src = slot.leading_views("dev_inputs", "host_inputs", slot.input_bytes(n_i32))
+            dst.copy_(src, non_blocking=True)
+            tl.gpu_end("h2d", self.h2d_stream, gap_free=True)  # one copy: no launch gaps
             # why: compute may start only once this step's inputs are on the device
             slot.h2d_done.record(self.h2d_stream)
 

@@ -150,7 +150,7 @@ class ModelRunner:
                 self.graphs.replay(slot, bucket, width, max_len)
                 return bucket, not self.graphs.eager
 
-            self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, 0, replay_only, False)
+            self.pipeline.launch(slot, n_i32, replay_only, False)
             return
         rows = bucket or (self._sampler_rows(n, tokens) if tokens is not None else n)
         sampling = self.packer.sampling_rows(st, rows) if n else None
@@ -188,8 +188,7 @@ class ModelRunner:
             self.sampler.sample_into(logits[:rows], sampling, slot.targets)
             return rows, False  # eager launches: the forward's, or the edits and sampler after a graph
 
-        self.pipeline.launch(slot, slot.host_i64.numel(), n_i32, slot.host_f32.numel(), compute,
-                             st.read_logprobs)
+        self.pipeline.launch(slot, n_i32, compute, st.read_logprobs)
 
     def _mixed_bucket(self, st: StepState) -> int | None:
         """The mixed graph's token bucket for a step no decode graph takes; None: the step runs eagerly."""

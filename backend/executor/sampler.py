@@ -186,9 +186,12 @@ def _seeds_array(seeds: Sequence[int]) -> np.ndarray:
         return np.fromiter((int(s) & _MASK64 for s in seeds), dtype=np.uint64, count=len(seeds)).view(np.int64)
 
 
+_NEUTRAL_FLOATS = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)[:, None]  # (6, 1) greedy, no cutoffs
+
+
 def fill_padding_rows(host_f, host_i, host_k) -> None:
     """Neutral greedy settings for padding rows (their tokens are dropped)."""
-    host_f[:] = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32)[:, None]
+    host_f[:] = _NEUTRAL_FLOATS
     host_i[:] = 0
     host_k[:] = 0
 
@@ -226,10 +229,17 @@ def pad_token_table(rows: Sequence[Sequence[int]], size: int, device: torch.devi
 
 
 def assemble_tensors(dev_f, dev_i, dev_k, prompt, output, flags) -> SamplingTensors:
-    temperature, top_p, min_p, rep, pres, freq = dev_f
+    """SamplingTensors over device arrays (6, B) f32, (2, B) i64 and (B,) i32 (fill_host_rows' layout)."""
+    return tensors_from_rows((*dev_f.unbind(0), *dev_i.unbind(0), dev_k), prompt, output, flags)
+
+
+def tensors_from_rows(rows: tuple[torch.Tensor, ...], prompt, output, flags) -> SamplingTensors:
+    """SamplingTensors over per-setting (B,) device views: temperature, top_p, min_p, repetition, presence and
+    frequency penalties, seeds, step indices, top_k."""
+    temperature, top_p, min_p, rep, pres, freq, seeds, steps, top_k = rows
     return SamplingTensors(
-        temperature=temperature, top_k=dev_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
-        presence_penalty=pres, frequency_penalty=freq, seeds=dev_i[0], step_index=dev_i[1],
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
+        presence_penalty=pres, frequency_penalty=freq, seeds=seeds, step_index=steps,
         prompt_token_ids=prompt, output_token_ids=output, **flags,
     )
 

@@ -253,7 +253,7 @@ class _SpyTimeline(Timeline):
         super().gpu_end(name, stream, gap_free)
 
 
-def test_the_pipeline_marks_graph_replays_and_a_lone_token_copy_gap_free():
+def test_the_pipeline_marks_graph_replays_and_lone_copies_gap_free():
     import torch
 
     from backend.executor.pipeline import Pipeline, SlotLayout
@@ -262,9 +262,8 @@ def test_the_pipeline_marks_graph_replays_and_a_lone_token_copy_gap_free():
     pipe = Pipeline(SlotLayout(max_tokens=8, max_seqs=4, max_blocks=2, max_logprobs=2), torch.device("cpu"), tl)
     for graph_replays_only, read_logprobs in [(True, False), (False, False), (True, True)]:
         slot = pipe.acquire_slot()
-        pipe.launch(slot, slot.host_i64.numel(), slot.host_i32.numel(), 0, lambda: (2, graph_replays_only),
-                    read_logprobs)
+        pipe.launch(slot, slot.host_i32.numel(), lambda: (2, graph_replays_only), read_logprobs)
         pipe.wait(slot)
-    assert tl.ends == [("h2d", False), ("compute", True), ("d2h", True),
-                       ("h2d", False), ("compute", False), ("d2h", True),
-                       ("h2d", False), ("compute", True), ("d2h", False)]
+    assert tl.ends == [("h2d", True), ("compute", True), ("d2h", True),
+                       ("h2d", True), ("compute", False), ("d2h", True),
+                       ("h2d", True), ("compute", True), ("d2h", False)]

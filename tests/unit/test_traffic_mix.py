@@ -43,3 +43,19 @@ def test_offline_mix_run_reports_rates_and_prefix_hits(capsys):
     for r in runs.values():
         assert r["requests"] == 48 and r["requests_per_s"] > 0 and r["total_tok_per_s"] > r["tok_per_s"]
         assert r["prefix_hit_rate"] > 0.3  # the shared system prompt is found in the cache
+
+
+def test_synthetic_workload_runs_sampled_when_asked(capsys):
+    """--decoding on a synthetic workload: greedy by default; sampled runs seeded T 0.8 / top-p 0.95 / top-k 50
+    requests of the same lengths (the stand-in's exact-token check is greedy's alone)."""
+    argv = ["--workload", "cpu-overhead", "--requests", "8", "--new-tokens", "16", "--modes", "async"]
+    assert offline.main(argv) == 0
+    greedy = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]
+    assert [r.get("decoding") for r in greedy] == [None] and greedy[0]["all_tokens_exact"] is True
+    assert offline.main(argv + ["--decoding", "greedy,sampled"]) == 0
+    runs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]
+    assert [r.get("decoding") for r in runs] == [None, "sampled"]
+    assert runs[0]["output_tokens"] == runs[1]["output_tokens"] == 8 * 16
+    assert "all_tokens_exact" not in runs[1]
+    params = offline.synthetic_params(16, "sampled", seed=3)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.8, 0.95, 50, 3)
