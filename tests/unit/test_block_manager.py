@@ -1,0 +1,51 @@
+"""BlockManager's prefix-cache hashing: each full block's hash chains its parent's with its own tokens, whichever
+of the prompt and the outputs they come from, and whether the blocks are registered one at a time or at once."""
+from __future__ import annotations
+
+import random
+
+from backend.core.kv_cache import BlockManager
+from backend.request import Request, SamplingParams
+
+
+def chain(tokens: list[int], block_size: int) -> list[int]:
+    hashes, parent = [], 0
+    for i in range(len(tokens) // block_size):
+        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+def test_full_blocks_hash_as_one_chain_over_prompt_and_outputs():
+    rng = random.Random(0)
+    bs = 16
+    for prompt_len in (5, 16, 37, 48):
+        outputs = [rng.randrange(1000) for _ in range(90)]
+        at_once, one_by_one = BlockManager(64, bs), BlockManager(64, bs)
+        reqs = []
+        for bm in (at_once, one_by_one):
+            req = Request("r", [rng.randrange(1000) for _ in range(prompt_len)] if not reqs else
+                          list(reqs[0].prompt_token_ids), SamplingParams(max_tokens=200), 0, frozenset())
+            assert bm.allocate_slots(req, prompt_len + len(outputs))
+            reqs.append(req)
+        a, b = reqs
+        a.output_token_ids.extend(outputs)
+        at_once.register_full_blocks(a, prompt_len + len(outputs))
+        for tok in outputs:  # a token at a time, as steps deliver them; KV computed one token behind
+            b.output_token_ids.append(tok)
+            one_by_one.register_full_blocks(b, b.num_prompt_tokens + len(b.output_token_ids) - 1)
+        want = chain(a.prompt_token_ids + outputs, bs)
+        assert a.block_hashes == want
+        assert b.block_hashes == want[:(prompt_len + len(outputs) - 1) // bs]
+        assert [at_once.hash_to_block[h] for h in want] == a.block_ids[:len(want)]
+
+
+def test_known_tokens_and_held_blocks_bound_the_hashing():
+    bm = BlockManager(64, 16)
+    req = Request("r", list(range(40)), SamplingParams(max_tokens=100), 0, frozenset())
+    assert bm.allocate_slots(req, 40)  # 3 blocks: 48 slots
+    bm.register_full_blocks(req, 1000)  # 40 known tokens: 2 full blocks
+    assert len(req.block_hashes) == 2
+    req.output_token_ids.extend(range(40, 60))  # 60 known, but 3 blocks held: 3 full blocks at most
+    bm.register_full_blocks(req, 1000)
+    assert req.block_hashes == chain(list(range(60)), 16)[:3]
