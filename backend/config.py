@@ -16,6 +16,8 @@ class EngineConfig:
     # random:<shape> (random weights, benchmarks) or stand-in (instant tokens: times the engine's or server's own work)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # ranks the model's heads, MLP columns and vocabulary are split over, one process each (backend/parallel)
+    tensor_parallel_size: int = 1
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # fixed number of KV blocks; None: sized from memory
     kv_cache_memory_fraction: float = 0.85  # CUDA: share of free memory for KV blocks after weights
@@ -64,6 +66,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

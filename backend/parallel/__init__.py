@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model's heads, MLP columns and vocabulary split over the processes of one host."""
