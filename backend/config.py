@@ -35,7 +35,7 @@ class EngineConfig:
     loop_gate: bool = True  # CUDA: output/sender threads do their Python while the loop waits (loop_gate.py)
     max_graph_batch_size: int = 256  # largest decode batch with a captured graph
     mixed_step_graphs: bool = True  # triton attention: steps with prefill chunks replay graphs per token bucket
-    fused_sampler: bool = True  # triton ops: sampling in one kernel (captured per bucket); off: the torch sampler
+    fused_sampler: bool = True  # triton ops: sampling in a few sort-free kernels (captured per bucket); off: torch's
     steady_decode: bool = True  # runs of identical decode steps are scheduled, packed and read as arrays
     attention_backend: str = "auto"  # auto | torch | triton
     linear_backend: str = "auto"  # auto (measured table) | triton | cublas: decode GEMMs on the triton path
