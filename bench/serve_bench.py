@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.open_loop import Slo, poisson_arrivals, run_open_loop, summarize, timed_stream
-from scripts.tritonserver_env import free_port, make_model_repository, start_server, stop_server, wait_until_ready
+from scripts.tritonserver_env import free_ports, make_model_repository, start_server, stop_server, wait_until_ready
 
 
 def make_requests(n: int, prompt_len: tuple[int, int], new_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
           flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     repo = make_model_repository(tmp, parameters)
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     proc = start_server(repo, http, grpc, metrics, log_path=args.log or tmp / "tritonserver.log")
     served = {}
     try:
@@ -230,7 +230,7 @@ def open_loop_main(args) -> int:
     requests = [as_client_request(ids, p) for ids, p in zip(prompts, params)]
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     repo = make_model_repository(tmp, parameters)
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     proc = start_server(repo, http, grpc, metrics, log_path=args.log or tmp / "tritonserver.log")
     levels = []
     try:

@@ -67,7 +67,7 @@ class LocalServer:
 
     def __init__(self, root: Path):
         self.repo = tse.make_model_repository(root, {})
-        self.http, self.grpc, self.metrics = tse.free_port(), tse.free_port(), tse.free_port()
+        self.http, self.grpc, self.metrics = tse.free_ports(3)
         self.log = root / "tritonserver.log"
         self.proc = None
 

@@ -1,6 +1,7 @@
 """Find a tritonserver, prepare its Python backend and environment, start it, wait for it, stop it."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -160,10 +161,15 @@ def _join(first: list[str], rest: str | None) -> str:
     return os.pathsep.join(dict.fromkeys(parts))  # keep order, drop duplicates
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: all bound at once before any is released (ports asked for one after another may
+    repeat, and Triton refuses one port for two of its endpoints)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
 
 
 def check_ports_free(*ports: int) -> None:

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from scripts.tritonserver_env import (free_port, make_model_repository, start_server, stop_server, stub_pids,
+from scripts.tritonserver_env import (free_ports, make_model_repository, start_server, stop_server, stub_pids,
                                       wait_until_ready)
 from tests.served import finished_per_instance, greedy_texts
 
@@ -47,7 +47,7 @@ def test_one_engine_per_gpu(tmp_path):
     config = repo / "llm" / "config.pbtxt"
     config.write_text(config.read_text().replace(SINGLE, PER_GPU))
     free_before = [torch.cuda.mem_get_info(i)[0] for i in range(2)]
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     log = tmp_path / "tritonserver.log"
     proc = start_server(repo, http, grpc, metrics, ["--exit-timeout-secs=30"], log_path=log)
     try:

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from scripts.tritonserver_env import (
-    free_port, make_model_repository, start_server, stop_server, stub_pids, wait_until_ready,
+    free_ports, make_model_repository, start_server, stop_server, stub_pids, wait_until_ready,
 )
 
 MODEL_NAME = "llm"
@@ -54,7 +54,7 @@ def launch_server(root: Path, parameters: dict[str, str], extra_args: list[str] 
     exit_timeout_s: how long a SIGTERM waits for the model to unload (it never does once its stub was killed)."""
     repo = make_model_repository(root, parameters)
     log_path = root / "tritonserver.log"
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     args = ["--model-control-mode=explicit", f"--load-model={MODEL_NAME}", f"--exit-timeout-secs={exit_timeout_s}",
             "--disable-auto-complete-config"]
     proc = start_server(repo, http, grpc, metrics, args + list(extra_args or []), log_path=log_path)

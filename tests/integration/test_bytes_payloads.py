@@ -89,7 +89,7 @@ def test_this_environment_passes_the_guard():
 def test_start_server_refuses_numpy2_with_a_numpy1_stub(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(_numpy2_only_path(tmp_path)))
     with pytest.raises(RuntimeError, match=r"built for NumPy 1\.x .* would import numpy 2\."):
-        tenv.start_server(tmp_path / "no-repository-needed", *(tenv.free_port() for _ in range(3)))
+        tenv.start_server(tmp_path / "no-repository-needed", *tenv.free_ports(3))
 
 
 def test_model_refuses_to_load_under_numpy2_instead_of_crashing_later(tmp_path, monkeypatch):
@@ -98,7 +98,7 @@ def test_model_refuses_to_load_under_numpy2_instead_of_crashing_later(tmp_path, 
     monkeypatch.setattr(tenv, "check_stub_numpy", lambda install, env: None)
     repo = tenv.make_model_repository(tmp_path, {"device": "cpu", "num_kv_blocks": "64", "max_num_seqs": "4"})
     log = tmp_path / "tritonserver.log"
-    http, grpc, metrics = (tenv.free_port() for _ in range(3))
+    http, grpc, metrics = tenv.free_ports(3)
     proc = tenv.start_server(repo, http, grpc, metrics, ["--model-control-mode=explicit", "--load-model=llm",
                                                        "--exit-timeout-secs=10"], log_path=log)
     try:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from scripts.tritonserver_env import free_port, make_model_repository, start_server, stop_server, wait_until_ready
+from scripts.tritonserver_env import free_ports, make_model_repository, start_server, stop_server, wait_until_ready
 
 
 def _stub_segfaults() -> int | None:
@@ -26,7 +26,7 @@ def test_stub_exits_without_a_segfault(tmp_path):
         pytest.skip("dmesg is not readable here")
     repo = make_model_repository(tmp_path, {"device": "cpu", "num_kv_blocks": "64", "max_num_seqs": "8",
                                             "max_model_len": "512"})
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     proc = start_server(repo, http, grpc, metrics, log_path=tmp_path / "tritonserver.log")
     try:
         wait_until_ready(proc, http, timeout=180, model_name="llm")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from loadtest.server_metrics import ServerMetrics
-from scripts.tritonserver_env import (free_port, make_model_repository, start_server, stop_server, stub_pids,
+from scripts.tritonserver_env import (free_ports, make_model_repository, start_server, stop_server, stub_pids,
                                       wait_until_ready)
 from tests.served import finished_per_instance, greedy_texts
 
@@ -22,7 +22,7 @@ def test_two_instances_serve_report_separately_and_stop_cleanly(tmp_path):
     config = repo / "llm" / "config.pbtxt"
     assert SINGLE in config.read_text()
     config.write_text(config.read_text().replace(SINGLE, TWO_CPU))
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     proc = start_server(repo, http, grpc, metrics, ["--exit-timeout-secs=30", "--disable-auto-complete-config"],
                         log_path=tmp_path / "tritonserver.log")
     try:

@@ -9,7 +9,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from scripts.tritonserver_env import REPO_ROOT, free_port, stub_pids
+from scripts.tritonserver_env import REPO_ROOT, free_ports, stub_pids
 
 
 def _wait_for(proc: subprocess.Popen, lines: list[str], needle: str, timeout: float) -> None:
@@ -25,7 +25,7 @@ def _wait_for(proc: subprocess.Popen, lines: list[str], needle: str, timeout: fl
 
 
 def test_serve_answers_the_printed_curl_and_stops_on_sigterm(tmp_path):
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     cmd = [sys.executable, "-m", "scripts.serve", "--http-port", str(http), "--grpc-port", str(grpc),
            "--metrics-port", str(metrics), "--param", "device=cpu", "--param", "max_num_seqs=3",
            "--param", "num_kv_blocks=128", "--", "--log-verbose=0"]

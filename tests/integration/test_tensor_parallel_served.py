@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from backend import Engine, EngineConfig, SamplingParams
-from scripts.tritonserver_env import (free_port, make_model_repository, start_server, stop_server, stub_pids,
+from scripts.tritonserver_env import (free_ports, make_model_repository, start_server, stop_server, stub_pids,
                                       wait_until_ready)
 from tests.served import greedy_texts
 
@@ -38,7 +38,7 @@ def test_three_ranks_serve_the_unsharded_answer_and_stop_with_the_server(tmp_pat
         engine.shutdown()
     repo = make_model_repository(tmp_path, {"device": "cpu", "tensor_parallel_size": "3", "num_kv_blocks": "64",
                                             "max_num_seqs": "4", "max_model_len": "256", "stats_interval_s": "0.2"})
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     proc = start_server(repo, http, grpc, metrics, ["--exit-timeout-secs=30", "--disable-auto-complete-config"],
                         log_path=tmp_path / "tritonserver.log")
     workers: list[int] = []
