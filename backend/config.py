@@ -16,8 +16,6 @@ class EngineConfig:
     # random:<shape> (random weights, benchmarks) or stand-in (instant tokens: times the engine's or server's own work)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    # ranks the model's heads, MLP columns and vocabulary are split over, one process each (backend/parallel)
-    tensor_parallel_size: int = 1
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # fixed number of KV blocks; None: sized from memory
     kv_cache_memory_fraction: float = 0.85  # CUDA: share of free memory for KV blocks after weights
@@ -35,7 +33,7 @@ class EngineConfig:
     loop_gate: bool = True  # CUDA: output/sender threads do their Python while the loop waits (loop_gate.py)
     max_graph_batch_size: int = 256  # largest decode batch with a captured graph
     mixed_step_graphs: bool = True  # triton attention: steps with prefill chunks replay graphs per token bucket
-    fused_sampler: bool = True  # triton ops: sampling in a few sort-free kernels (captured per bucket); off: torch's
+    fused_sampler: bool = True  # triton ops: sampling in one kernel (captured per bucket); off: the torch sampler
     steady_decode: bool = True  # runs of identical decode steps are scheduled, packed and read as arrays
     attention_backend: str = "auto"  # auto | torch | triton
     linear_backend: str = "auto"  # auto (measured table) | triton | cublas: decode GEMMs on the triton path
@@ -66,7 +64,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

@@ -17,7 +17,6 @@ from backend.core.step_update import StepUpdater
 from backend.engine_setup import EngineParts, build_engine_parts, device_scope
 from backend.executor.packer import StepState
 from backend.outputs.processor import OutputProcessor, RequestStream, StepEvent
-from backend.parallel.model import TensorParallelModel
 from backend.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, Request, RequestOutput, \
     RequestStatus, SamplingParams
 from backend.runtime.gc_pauses import GcPauses, GcSettings
@@ -216,8 +215,6 @@ class Engine:
         # why: this engine's objects were frozen too; frozen cycles (and their tensors) never free
         GcSettings.engine_stopped(self.config.gc_freeze, self.config.gc_young_threshold)
         if not self._thread.is_alive():
-            if isinstance(self.parts.model, TensorParallelModel):
-                self.parts.model.close()  # the worker ranks stop with the engine
             self.runner.release()
             self.parts.model = None
             if self.device.type == "cuda":
@@ -366,13 +363,6 @@ class Engine:
             torch.cuda.synchronize(self.device)  # why: no queued step may still touch buffers we reset
         self._inflight = None
         self.runner.reset_slots()
-        lost = self.parts.model.lost_ranks() if isinstance(self.parts.model, TensorParallelModel) else []
-        if lost:  # a worker rank is gone for good: no later step can run, so the engine stops now
-            gone = ", ".join(f"rank {rank} (exit code {code})" for rank, code in lost)
-            self._fail_all(f"engine step failed: tensor-parallel {gone} exited; the engine stops")
-            self._healthy = False
-            self._stopping = True
-            return
         self._fail_all(f"engine step failed: {exc}")
         if self._consecutive_faults >= _MAX_CONSECUTIVE_FAULTS:
             self._healthy = False

@@ -11,7 +11,6 @@ from backend.config import EngineConfig
 from backend.core.kv_cache import BlockManager
 from backend.models import BUILT_IN_MODELS, load_model, resolve_model_path
 from backend.models.loader import TORCH_DTYPES
-from backend.parallel.model import TensorParallelModel
 from backend.executor.pipeline import SlotLayout
 from backend.request import MAX_LOGPROBS
 from backend.executor.runner import ModelRunner
@@ -71,8 +70,6 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     path = "<given model>"
-    if config.tensor_parallel_size > 1:
-        _check_tensor_parallel(config, device, model)
     if model is None and config.model in BUILT_IN_MODELS:  # e.g. the stand-in, to time the engine's own work
         path = config.model
         model, tokenizer = BUILT_IN_MODELS[path](device)
@@ -81,43 +78,16 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
 
         path = resolve_model_path(config.model, config.cache_dir)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        load = dict(path=path, dtype=dtype, device=str(device), attention_backend=backend,
-                    linear_backend=config.linear_backend,
-                    dependent_launch=_dependent_launch(config.dependent_launch, backend, device))
-        if config.tensor_parallel_size > 1:
-            model = TensorParallelModel.start(config.tensor_parallel_size, load)
-        else:
-            model = load_model(**load)
-    try:
-        return _build_around(model, tokenizer, path, device, dtype, backend, config)
-    except BaseException:
-        if isinstance(model, TensorParallelModel):
-            model.close()  # why: the workers started for this engine must not outlive its failed start
-        raise
-
-
-def _check_tensor_parallel(config: EngineConfig, device: torch.device, model) -> None:
-    if model is not None or config.model in BUILT_IN_MODELS:
-        raise ValueError("tensor_parallel_size > 1 needs a checkpoint folder or random:<shape> model: each rank "
-                         "loads its own shard of it")
-    if device.type != "cpu":
-        raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) in this version: its GPU path (NCCL, "
-                         "one GPU a rank) has not been validated on a multi-GPU machine yet; set device to cpu or "
-                         "tensor_parallel_size to 1")
-
-
-def _build_around(model, tokenizer, path: str, device: torch.device, dtype: torch.dtype, backend: str,
-                  config: EngineConfig) -> EngineParts:
-    """The KV cache, scheduler and runner for a loaded model."""
+        model = load_model(path, dtype=dtype, device=device, attention_backend=backend,
+                           linear_backend=config.linear_backend,
+                           dependent_launch=_dependent_launch(config.dependent_launch, backend, device))
     spec = model.spec
     max_len = config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_MAX_LEN_CAP)
     if max_len > spec.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_len}) exceeds the model's maximum ({spec.max_position_embeddings})")
     num_blocks = _num_kv_blocks(config, spec, dtype, device)
     kv_cache = torch.zeros(spec.num_layers, 2, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
-                           dtype=dtype, device=device)  # (L, 2, NB, BS, Hkv, D): this rank's heads
-    if isinstance(model, TensorParallelModel):
-        model.start_cache(num_blocks, config.block_size)
+                           dtype=dtype, device=device)  # (L, 2, NB, BS, Hkv, D)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                           steady_decode=config.steady_decode)
@@ -129,9 +99,8 @@ def _build_around(model, tokenizer, path: str, device: torch.device, dtype: torc
                          fused_sampler=config.fused_sampler, mixed_graphs=config.mixed_step_graphs)
     runner.prepare()
     async_pipeline = config.async_pipeline if config.async_pipeline is not None else device.type == "cuda"
-    log.info("engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, async %s, "
-             "tensor parallel %d", path, device, dtype, num_blocks, config.block_size, max_len, backend,
-             async_pipeline, config.tensor_parallel_size)
+    log.info("engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, async %s",
+             path, device, dtype, num_blocks, config.block_size, max_len, backend, async_pipeline)
     return EngineParts(device, dtype, model, tokenizer, max_len, block_manager, scheduler, runner, timeline,
                        async_pipeline)
 

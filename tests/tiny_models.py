@@ -22,8 +22,6 @@ def _config(family: str):
         # layer, since the interpreter runs every kernel program in Python
         return LlamaConfig(**{**common, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32,
                               "num_hidden_layers": 1})
-    if family == "llama-251":  # a vocabulary that two tensor-parallel ranks split unevenly (126 rows + 125 and a pad)
-        return LlamaConfig(**{**common, "vocab_size": 251})
     if family == "qwen2":
         return Qwen2Config(**common)  # q/k/v projections carry biases
     if family == "qwen3":

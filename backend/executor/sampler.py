@@ -271,7 +271,7 @@ class Sampler:
     """Turns a batch of logits into next tokens on the device, with no host synchronisation.
 
     With a fused kernel (the Triton ops' sample_rows) `sample_into` runs temperature, top-k/top-p/min-p, the noise,
-    the pick and the sampled logprobs in a few launches over the model-dtype logits, and no sort; without one (the
+    the pick and the sampled logprobs in one launch over the model-dtype logits, and no sort; without one (the
     torch ops) it runs the torch code below, which is also the reference the kernel is tested against."""
 
     def __init__(self, fused: Callable | None = None) -> None:

@@ -69,10 +69,10 @@ class DecoderLayer(nn.Module):
             q, k = ops.rms_norm(q, self.q_norm, eps), ops.rms_norm(k, self.k_norm, eps)
         # rotary embedding, this step's K/V into the cache, then attention over the cache: (T, Hq, D)
         attn = ops.rope_attention(q, k, v, positions, model.cos_sin_cache, kv_layer, meta, model.scale)
-        h = model.row_parallel(attn.reshape(t, -1), self.o_weight, self.o_bias)  # (T, H) or its partial sums
+        h = ops.linear_parked(attn.reshape(t, -1), self.o_weight, self.o_bias)  # (T, H) or its partial sums
         x, residual = ops.add_rms_norm(h, residual, self.post_norm, eps)
         act = ops.linear_silu_and_mul(x, self.gate_up_weight, self.gate_up_bias)  # (T, I)
-        h = model.row_parallel(act, self.down_weight, self.down_bias)  # (T, H) or its partial sums
+        h = ops.linear_parked(act, self.down_weight, self.down_bias)  # (T, H) or its partial sums
         return h, residual
 
 
@@ -89,14 +89,9 @@ class LlamaFamilyModel(nn.Module):
         lm_head: torch.Tensor | None,
         cos_sin_cache: torch.Tensor,
         eps: float,
-        vocab_start: int = 0,
     ):
         super().__init__()
         self.spec, self.ops, self.eps = spec, ops, eps
-        # tensor parallelism (backend/parallel): this rank's share of the heads and MLP columns, whose o and down
-        # outputs the group sums, and of the vocabulary, from token vocab_start on. None: the whole model here
-        self.tp = None
-        self.vocab_start = vocab_start
         self.scale = spec.head_dim**-0.5
         self.qkv_sizes = [
             spec.num_heads * spec.head_dim,
@@ -115,31 +110,16 @@ class LlamaFamilyModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions (T,) int64; kv_cache (L, 2, NB, BS, Hkv, D) -> hidden (T, H)."""
-        if self.tp is None:
-            h = F.embedding(input_ids, self.embed_tokens)  # (T, H)
-        else:  # other ranks' tokens embed as zero rows here: the sum over the ranks fills each row from its owner
-            local = input_ids - self.vocab_start
-            inside = (local >= 0) & (local < self.embed_tokens.shape[0])  # (T,)
-            h = F.embedding(torch.where(inside, local, 0), self.embed_tokens) * inside.unsqueeze(1).to(
-                self.embed_tokens.dtype)
-            h = self.tp.all_reduce(h)
+        h = F.embedding(input_ids, self.embed_tokens)  # (T, H)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, positions, kv_cache[i], meta, self)
         h, _ = self.ops.add_rms_norm(h, residual, self.norm, self.eps)
         return h
 
-    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """o and down: their output, or its split-K partial sums (only add_rms_norm reads them); with tensor
-        parallelism this rank's share of the input columns, summed over the ranks."""
-        if self.tp is None:
-            return self.ops.linear_parked(x, weight, bias)
-        return self.tp.all_reduce(self.ops.linear(x, weight, bias))
-
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden (N, H) -> logits (N, V) in the model's dtype, written into out (N, V) when given; with tensor
-        parallelism this rank's vocabulary columns (N, V / ranks, padded), which rank 0 gathers.
+        """hidden (N, H) -> logits (N, V) in the model's dtype, written into out (N, V) when given.
 
         The sampler converts to float32 itself, so a greedy decode graph reads bf16 logits and never converts."""
         return self.ops.linear(hidden, self.lm_head, None, out)

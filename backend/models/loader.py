@@ -13,7 +13,6 @@ from backend.models.llama import ROTARY_CLASSES, LayerWeights, LlamaFamilyModel,
 from backend.models.random_model import is_random_checkpoint, random_weights
 from backend.models.spec import ModelSpec
 from backend.ops import get_ops
-from backend.parallel.sharding import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -22,34 +21,24 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
-def read_spec(path: str, dtype=torch.float32) -> ModelSpec:
-    """The whole model's shape from its checkpoint folder's config, without loading weights."""
-    folder = Path(path)
-    return _make_spec(_read_config(folder), folder, dtype)
-
-
 def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: str = "torch",
-               linear_backend: str = "auto", dependent_launch: bool = False,
-               shard: Shard = Shard()) -> LlamaFamilyModel:
-    """Read config.json and *.safetensors from `path`; never runs remote code or unpickles weights. With a shard of
-    a tensor-parallel group, only that rank's slice of each weight reaches the device (backend/parallel)."""
+               linear_backend: str = "auto", dependent_launch: bool = False) -> LlamaFamilyModel:
+    """Read config.json and *.safetensors from `path`; never runs remote code or unpickles weights."""
     folder = Path(path)
     device = torch.device(device)
     dtype = _resolve_dtype(dtype, device)
     config = _read_config(folder)
-    whole = _make_spec(config, folder, dtype)
-    spec = shard.spec(whole)
+    spec = _make_spec(config, folder, dtype)
     if attention_backend == "auto":
         attention_backend = "triton" if device.type == "cuda" else "torch"
     ops = get_ops(attention_backend, linear_backend, dependent_launch)
     if is_random_checkpoint(folder):
-        weights = random_weights(folder, config, whole, dtype, device, shard)
+        weights = random_weights(folder, config, spec, dtype, device)
     else:
         with _Checkpoint(folder) as ckpt:
-            weights = _load_weights(ckpt, config, whole, dtype, device, shard)
+            weights = _load_weights(ckpt, config, spec, dtype, device)
     cos_sin = build_cos_sin_cache(config, spec.model_type, spec.head_dim, device)
-    model = LlamaFamilyModel(spec, ops, cos_sin_cache=cos_sin, eps=float(config.rms_norm_eps),
-                             vocab_start=shard.vocab_rows(whole.vocab_size)[0], **weights)
+    model = LlamaFamilyModel(spec, ops, cos_sin_cache=cos_sin, eps=float(config.rms_norm_eps), **weights)
     logger.info("loaded %s (%d layers, %s) from %s with %s ops",
                 spec.model_type, spec.num_layers, dtype, path, ops.name)
     return model.eval()
@@ -169,20 +158,18 @@ class _Checkpoint(contextlib.ExitStack):
         return self.get(name) if self.has(name) else None
 
 
-def _load_weights(ckpt: _Checkpoint, config, spec: ModelSpec, dtype, device, shard: Shard) -> dict:
-    """HF tensors -> the model's fused tensors (this shard's slices of them), one layer at a time so peak host
-    memory stays one layer."""
+def _load_weights(ckpt: _Checkpoint, config, spec: ModelSpec, dtype, device) -> dict:
+    """HF tensors -> the model's fused tensors, one layer at a time so peak host memory stays one layer."""
 
     def put(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(dtype=dtype).to(device).contiguous()
 
     def cat(names: list[str], required: bool = True) -> torch.Tensor | None:
-        """The named tensors fused along their rows, on the host (sliced before they reach the device)."""
         if not required and not all(ckpt.has(n) for n in names):
             if any(ckpt.has(n) for n in names):
                 raise ValueError(f"checkpoint has only some of {names}")
             return None
-        return torch.cat([ckpt.get(n) for n in names], dim=0)
+        return put(torch.cat([ckpt.get(n) for n in names], dim=0))
 
     layers = []
     for i in range(spec.num_layers):
@@ -192,14 +179,14 @@ def _load_weights(ckpt: _Checkpoint, config, spec: ModelSpec, dtype, device, sha
         gate_up = [mlp + "gate_proj", mlp + "up_proj"]
         layers.append(
             LayerWeights(
-                qkv_weight=put(shard.qkv(cat([n + ".weight" for n in qkv]), spec)),
-                qkv_bias=put(shard.qkv(cat([n + ".bias" for n in qkv], required=False), spec)),
-                o_weight=put(shard.columns(ckpt.get(attn + "o_proj.weight"))),
-                o_bias=put(shard.first_only(ckpt.maybe(attn + "o_proj.bias"))),
-                gate_up_weight=put(shard.gate_up(cat([n + ".weight" for n in gate_up]))),
-                gate_up_bias=put(shard.gate_up(cat([n + ".bias" for n in gate_up], required=False))),
-                down_weight=put(shard.columns(ckpt.get(mlp + "down_proj.weight"))),
-                down_bias=put(shard.first_only(ckpt.maybe(mlp + "down_proj.bias"))),
+                qkv_weight=cat([n + ".weight" for n in qkv]),
+                qkv_bias=cat([n + ".bias" for n in qkv], required=False),
+                o_weight=put(ckpt.get(attn + "o_proj.weight")),
+                o_bias=put(ckpt.maybe(attn + "o_proj.bias")),
+                gate_up_weight=cat([n + ".weight" for n in gate_up]),
+                gate_up_bias=cat([n + ".bias" for n in gate_up], required=False),
+                down_weight=put(ckpt.get(mlp + "down_proj.weight")),
+                down_bias=put(ckpt.maybe(mlp + "down_proj.bias")),
                 input_norm=put(ckpt.get(p + "input_layernorm.weight")),
                 post_norm=put(ckpt.get(p + "post_attention_layernorm.weight")),
                 q_norm=put(ckpt.get(attn + "q_norm.weight")) if spec.model_type == "qwen3" else None,
@@ -208,8 +195,8 @@ def _load_weights(ckpt: _Checkpoint, config, spec: ModelSpec, dtype, device, sha
         )
     tied = bool(getattr(config, "tie_word_embeddings", False))
     return dict(
-        embed=put(shard.vocab(ckpt.get("embed_tokens.weight"))),
+        embed=put(ckpt.get("embed_tokens.weight")),
         layers=layers,
         final_norm=put(ckpt.get("norm.weight")),
-        lm_head=None if tied else put(shard.vocab(ckpt.get("lm_head.weight"))),
+        lm_head=None if tied else put(ckpt.get("lm_head.weight")),
     )

@@ -13,7 +13,6 @@ import torch
 
 from backend.models.llama import LayerWeights
 from backend.models.spec import ModelSpec
-from backend.parallel.sharding import Shard
 
 RANDOM_PREFIX = "random:"
 MARKER = "random_weights.json"
@@ -94,11 +93,8 @@ def is_random_checkpoint(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
-def random_weights(folder: Path, config, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                   shard: Shard = Shard()) -> dict:
-    """Weights drawn on the device, N(0, std) for matrices and ones for norms, in the fused layout. A shard of a
-    tensor-parallel group draws every whole tensor in the same order and keeps its slice, so its weights are
-    slices of the unsharded model's."""
+def random_weights(folder: Path, config, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict:
+    """Weights drawn on the device, N(0, std) for matrices and ones for norms, in the fused layout."""
     meta = json.loads((folder / MARKER).read_text())
     gen = torch.Generator(device=device).manual_seed(int(meta.get("seed", 0)))
     std = float(meta.get("std", 0.02))
@@ -111,18 +107,12 @@ def random_weights(folder: Path, config, spec: ModelSpec, dtype: torch.dtype, de
     def ones(n):
         return torch.ones(n, dtype=dtype, device=device)
 
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        return t if shard.world == 1 else t.contiguous()  # the slice alone stays; the whole tensor is freed
-
     layers = [
-        LayerWeights(qkv_weight=keep(shard.qkv(rand(qkv_rows, H), spec)), qkv_bias=None,
-                     o_weight=keep(shard.columns(rand(H, spec.num_heads * D))), o_bias=None,
-                     gate_up_weight=keep(shard.gate_up(rand(2 * I, H))), gate_up_bias=None,
-                     down_weight=keep(shard.columns(rand(H, I))), down_bias=None,
+        LayerWeights(qkv_weight=rand(qkv_rows, H), qkv_bias=None, o_weight=rand(H, spec.num_heads * D), o_bias=None,
+                     gate_up_weight=rand(2 * I, H), gate_up_bias=None, down_weight=rand(H, I), down_bias=None,
                      input_norm=ones(H), post_norm=ones(H), q_norm=None, k_norm=None)
         for _ in range(spec.num_layers)
     ]
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    embed = keep(shard.vocab(rand(spec.vocab_size, H)))
-    return dict(embed=embed, layers=layers, final_norm=ones(H),
-                lm_head=None if tied else keep(shard.vocab(rand(spec.vocab_size, H))))
+    return dict(embed=rand(spec.vocab_size, H), layers=layers, final_norm=ones(H),
+                lm_head=None if tied else rand(spec.vocab_size, H))

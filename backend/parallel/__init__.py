@@ -1,1 +1,0 @@
-"""Tensor parallelism: one model's heads, MLP columns and vocabulary split over the processes of one host."""
