@@ -171,7 +171,6 @@ def free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-
 def check_ports_free(*ports: int) -> None:
     """Fail early with a clear message: Triton loads models before it binds, and a health check on a busy
     port would be answered by whichever server holds it."""
