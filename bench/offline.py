@@ -223,6 +223,9 @@ def main(argv=None) -> int:
                     help="stream every request's outputs (detokenized each step, as when serving) instead of "
                          "generate()'s final-only outputs")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread; print the top functions")
+    ap.add_argument("--profile-sort", default="tottime", choices=["tottime", "cumulative"],
+                    help="with --profile: order the functions by their own time or by the time under them")
+    ap.add_argument("--profile-top", type=int, default=22, metavar="N", help="with --profile: how many functions")
     ap.add_argument("--kernel-busy", action="store_true",
                     help="CUDA: run under torch.profiler and report its kernel time over the wall (gpu_kernel_busy)")
     ap.add_argument("--kernel-top", type=int, default=0, metavar="N",
@@ -240,7 +243,7 @@ def main(argv=None) -> int:
         return microbench.main([])
     wl = WORKLOADS[args.workload]
     if args.profile:
-        _profile_engine_thread()
+        _profile_engine_thread(args.profile_sort, args.profile_top)
     if args.new_tokens:
         wl.new_tokens = args.new_tokens
     if args.requests:
@@ -274,7 +277,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _profile_engine_thread() -> None:
+def _profile_engine_thread(sort: str, top: int) -> None:
     """Wrap the engine loop in cProfile; the top functions are printed when each engine stops."""
     import cProfile
     import pstats
@@ -288,7 +291,7 @@ def _profile_engine_thread() -> None:
             original(self)
         finally:
             prof.disable()
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats(sort).print_stats(top)
 
     Engine._run = run
 
