@@ -88,7 +88,7 @@ def test_queued_requests_join_a_steady_run(root, async_pipeline):
 
 def _run_mixed(path, async_pipeline, steady):
     """Sampling, stop tokens, min_tokens and streaming in one batch; returns (finals, streamed tokens, steps)."""
-    prompts = random_prompts([7, 12, 5, 16, 9], seed=61)
+    prompts = random_prompts([7, 12, 5, 16, 9, 10], seed=61)
     free_run = hf_greedy(path, prompts[1], 30)
     # a token first sampled well after the prompt, so it arrives inside a steady run
     stop_tok = next(t for i, t in enumerate(free_run) if i >= 8 and t not in free_run[:i])
@@ -97,6 +97,7 @@ def _run_mixed(path, async_pipeline, steady):
         SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_tok], ignore_eos=True),
         SamplingParams(max_tokens=30, temperature=0.0, min_tokens=20, stop_token_ids=[stop_tok], ignore_eos=True),
         greedy(30, repetition_penalty=1.3),
+        greedy(30, frequency_penalty=2.0),  # strong: a token left out of its counts changes the next pick
         greedy(26),
     ]
     engine = make_engine(path, async_pipeline, steady=steady, max_num_seqs=3)  # two of them join later
@@ -114,7 +115,7 @@ def test_steady_runs_match_the_general_path(root, async_pipeline):
     off, off_streamed, off_steps = _run_mixed(path, async_pipeline, steady=False)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert [o.finish_reason for o in on] == [o.finish_reason for o in off]
-    assert on[1].finish_reason == "stop" and len(on[1].token_ids) >= 9 and on[4].finish_reason == "length"
+    assert on[1].finish_reason == "stop" and len(on[1].token_ids) >= 9 and on[5].finish_reason == "length"
     assert on_streamed == [o.token_ids for o in on] and off_streamed == [o.token_ids for o in off]
     assert on_steps > 0 and off_steps == 0
 
@@ -348,3 +349,45 @@ def test_block_tables_follow_rows_leaving_joining_and_growing():
             assert sb.num_blocks[row] == len(req.block_ids)
             assert sb.tables[row, :len(req.block_ids)].tolist() == req.block_ids
     assert len(sb.table_store) > first_size  # the store grew at least once
+
+
+def _run_with_edits(path, async_pipeline, steady):
+    """Ten requests on three seats, some of them with logit_bias, bad_words or min_tokens beside plain
+    greedy and seeded sampled ones: rows with logit edits inside steady runs that rows leave and join."""
+    prompts = random_prompts([6, 11, 4, 9, 13, 5, 8, 10, 7, 12], seed=91)
+    free_run = hf_greedy(path, prompts[0], 24)
+    # request 4 may stop from its output token `edge` on, and its free run samples its stop token there: the ban
+    # must lift at exactly that step (it reads the request's output count), or the request runs on
+    edge_run = hf_greedy(path, prompts[4], 24)
+    edge = next(i for i, t in enumerate(edge_run) if i >= 8 and t not in edge_run[:i])
+    params = [
+        greedy(24, logit_bias={str(free_run[5]): -100.0}),
+        greedy(18),
+        SamplingParams(max_tokens=20, temperature=0.9, seed=3, ignore_eos=True),
+        greedy(22, bad_words=[" a"]),
+        greedy(24, min_tokens=edge, stop_token_ids=[edge_run[edge]]),
+        SamplingParams(max_tokens=25, temperature=0.7, top_p=0.9, seed=5, ignore_eos=True),
+        greedy(14),
+        greedy(21, logit_bias={str(free_run[1]): 5.0}),
+        SamplingParams(max_tokens=19, temperature=1.1, top_k=8, seed=9, ignore_eos=True),
+        greedy(17, stop_token_ids=[free_run[3]]),
+    ]
+    engine = make_engine(path, async_pipeline, steady=steady, max_num_seqs=3)
+    try:
+        finals, streamed = stream_all(engine, prompts, params)
+        return finals, streamed, engine.scheduler.num_steady_steps, kv_blocks_used_after_settling(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_steady_rows_with_logit_edits_match_the_general_path(root, async_pipeline):
+    path = build_tiny("llama", root)
+    on, on_streamed, on_steps, on_blocks = _run_with_edits(path, async_pipeline, steady=True)
+    off, off_streamed, off_steps, off_blocks = _run_with_edits(path, async_pipeline, steady=False)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.finish_reason for o in on] == [o.finish_reason for o in off]
+    assert on_streamed == [o.token_ids for o in on] and off_streamed == [o.token_ids for o in off]
+    assert on_steps > 20 and off_steps == 0
+    assert on_blocks == off_blocks == 0
+    assert on[4].finish_reason == "stop" and len(on[4].token_ids) == on[4].token_ids.index(on[4].token_ids[-1]) + 1
