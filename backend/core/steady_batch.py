@@ -63,6 +63,7 @@ class SteadyBatch:
         # any row's stop token: a step that samples one goes to the general update, which checks each row
         self.stop_ids = frozenset().union(*(r.stop_ids for r in self.requests))
         self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
+        self.any_edits_logits = any(r.edits_logits for r in self.requests)  # stays set once a row had edits
         self._index_rows()
         self.version = 0  # bumped whenever rows leave or join: a step packed under another version has other rows
         # how each recent version came from the one before: ("keep", mask of the rows kept) or ("append", requests
@@ -183,6 +184,7 @@ class SteadyBatch:
         self._set_arrays(np.concatenate([getattr(self, name), part]) for name, part in zip(self._ARRAYS, rows))
         self.stop_ids = self.stop_ids.union(*(r.stop_ids for r in reqs))
         self.all_plain_greedy = self.all_plain_greedy and all(r.plain_greedy for r in reqs)
+        self.any_edits_logits = self.any_edits_logits or any(r.edits_logits for r in reqs)
         self._index_rows()
         self._changed(("append", list(reqs)))
 

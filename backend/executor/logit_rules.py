@@ -41,9 +41,10 @@ class LogitEdits:
         logits.index_put_((self.rows, self.tokens), values.to(logits.dtype), accumulate=True)
 
 
-def logit_edits(sampled: Sequence[Request], device: torch.device) -> LogitEdits | None:
-    """The edits for a step's sampled rows (in row order); None when no row has any. A bad word whose prefix ends on
-    the token still on the device (the asynchronous pipeline's carry-over) is checked there."""
+def logit_edits(sampled: Sequence[Request], device: torch.device, first: int = 0) -> LogitEdits | None:
+    """The edits for a step's sampled rows (in row order) from row `first` on (the rows before it have none); None
+    when no row has any. A bad word whose prefix ends on the token still on the device (the asynchronous pipeline's
+    carry-over) is checked there."""
     rows: list[int] = []
     tokens: list[int] = []
     values: list[float] = []
@@ -51,7 +52,8 @@ def logit_edits(sampled: Sequence[Request], device: torch.device) -> LogitEdits 
     allowed_rows: list[int] = []
     allowed_tokens: list[int] = []
     restricted: list[int] = []
-    for j, req in enumerate(sampled):
+    for j in range(first, len(sampled)):
+        req = sampled[j]
         if not req.edits_logits:
             continue
         p = req.params

@@ -160,7 +160,7 @@ class ModelRunner:
             sampling = self.packer.sampling_rows(st, rows)
         if tokens is not None:
             self.packer.pad_mixed(slot, B, T, tokens, n, self.graphs.logits_rows(tokens))
-        edits = logit_edits(st.sampled, self.device)
+        edits = logit_edits(st.sampled, self.device, self._rows_without_edits(st))
         prev_slot = self.pipeline.other(slot) if prev is not None and prev.sampled else None
 
         def compute() -> tuple[int, bool]:
@@ -211,6 +211,15 @@ class ModelRunner:
         if bucket is not None and bucket > len(batch):
             self.packer.pad_decode(st.slot, len(batch), bucket)
         return bucket
+
+    @staticmethod
+    def _rows_without_edits(st: StepState) -> int:
+        """How many leading sampled rows are known to edit no logits: a steady batch's rows when none of them ever
+        did (logit_edits then skips them without reading their requests)."""
+        steady = st.batch.steady
+        if steady is None or steady.any_edits_logits or st.steady_version != steady.version:
+            return 0
+        return st.batch.num_steady_rows
 
     @staticmethod
     def _all_plain_greedy(st: StepState) -> bool:
