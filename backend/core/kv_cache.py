@@ -62,6 +62,25 @@ class BlockManager:
             req.block_ids.append(self._take_free_block())
         return True
 
+    def append_one_block_each(self, reqs: list[Request]) -> list[int] | None:
+        """One more block for each of reqs (steady decode rows whose next token starts a block), in one pass; None,
+        taking nothing, when fewer are free."""
+        if len(reqs) > len(self.free_blocks):
+            return None
+        free, block_hash, hash_to_block, ref_counts = self.free_blocks, self.block_hash, self.hash_to_block, self.ref_counts
+        blocks = []
+        for req in reqs:  # _take_free_block, inlined: a few rows need a block every step
+            block, _ = free.popitem(last=False)
+            old = block_hash[block]
+            if old is not None:  # evict its cached content
+                if hash_to_block.get(old) == block:
+                    del hash_to_block[old]
+                block_hash[block] = None
+            ref_counts[block] = 1
+            req.block_ids.append(block)
+            blocks.append(block)
+        return blocks
+
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
         old = self.block_hash[block]

@@ -101,11 +101,17 @@ class Scheduler:
         if not len(sb):
             return None
         bm, bs = self.block_manager, self.block_manager.block_size
-        for row in sb.rows_needing_block():
-            req = sb.requests[row]
-            if not bm.allocate_slots(req, 1):
-                return None  # the general path preempts; blocks taken so far stay with their requests
-            sb.add_block(row, req.block_ids[-1])
+        needing = sb.rows_needing_block()
+        if needing.size:
+            requests = sb.requests
+            blocks = bm.append_one_block_each([requests[row] for row in needing.tolist()])
+            if blocks is None:  # too few free: as many rows as can take one, then the general path preempts
+                for row in needing.tolist():
+                    if not bm.allocate_slots(requests[row], 1):
+                        return None  # blocks taken so far stay with their requests
+                    sb.add_block(row, requests[row].block_ids[-1])
+            else:
+                sb.add_blocks(needing, blocks)
         budget = self.max_num_batched_tokens - len(sb)
         tail: list[tuple[Request, int]] = []  # joiners' chunks, sized and given blocks before anything is counted
         for req in sb.joiners:

@@ -230,6 +230,11 @@ class SteadyBatch:
         self.table_store[self.table_rows[row], self.num_blocks[row]] = block
         self.num_blocks[row] += 1
 
+    def add_blocks(self, rows: np.ndarray, blocks: list[int]) -> None:
+        """add_block for each of rows (distinct rows), at once."""
+        self.table_store[self.table_rows[rows], self.num_blocks[rows]] = blocks
+        self.num_blocks[rows] += 1
+
     def advance(self, step_id: int) -> None:
         """Count one scheduled token for every row: the requests' counters and the arrays, in step."""
         for req in self.requests:

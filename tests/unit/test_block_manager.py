@@ -49,3 +49,32 @@ def test_known_tokens_and_held_blocks_bound_the_hashing():
     req.output_token_ids.extend(range(40, 60))  # 60 known, but 3 blocks held: 3 full blocks at most
     bm.register_full_blocks(req, 1000)
     assert req.block_hashes == chain(list(range(60)), 16)[:3]
+
+
+def test_one_block_each_takes_blocks_as_allocate_slots_would():
+    """append_one_block_each gives each request the block allocate_slots would give it, evicting cached content the
+    same way; with fewer free blocks than requests it takes none."""
+    bs = 4
+    together, apart = BlockManager(12, bs), BlockManager(12, bs)
+    for bm in (together, apart):  # a finished request leaves cached blocks behind: the next takers evict them
+        old = Request("old", list(range(12)), SamplingParams(max_tokens=4), 0, frozenset())
+        assert bm.allocate_slots(old, 12)
+        bm.register_full_blocks(old, 12)
+        bm.free(old)
+    reqs = {id(bm): [Request(f"r{i}", [7] * (4 + i), SamplingParams(max_tokens=8), 0, frozenset()) for i in range(4)]
+            for bm in (together, apart)}
+    for bm in (together, apart):
+        for req in reqs[id(bm)]:
+            assert bm.allocate_slots(req, req.num_prompt_tokens)
+            req.num_computed_tokens = len(req.block_ids) * bs  # every row's next token starts a block
+    got = together.append_one_block_each(reqs[id(together)])
+    for req in reqs[id(apart)]:
+        assert apart.allocate_slots(req, 1)
+    assert got == [r.block_ids[-1] for r in reqs[id(together)]]
+    assert [r.block_ids for r in reqs[id(together)]] == [r.block_ids for r in reqs[id(apart)]]
+    assert together.ref_counts == apart.ref_counts and together.block_hash == apart.block_hash
+    assert together.hash_to_block == apart.hash_to_block and list(together.free_blocks) == list(apart.free_blocks)
+    free_before = list(together.free_blocks)
+    many = [Request(f"m{i}", [1], SamplingParams(max_tokens=8), 0, frozenset()) for i in range(len(free_before) + 1)]
+    assert together.append_one_block_each(many) is None
+    assert list(together.free_blocks) == free_before and not any(r.block_ids for r in many)
