@@ -151,17 +151,27 @@ class BlockManager:
         """Hash blocks whose tokens are all known and computed, so later requests can share them."""
         if not self.enable_prefix_caching or req.blocks_freed:
             return
-        full = min(num_known_computed, len(req.prompt_token_ids) + len(req.output_token_ids)) // self.block_size
-        full = min(full, len(req.block_ids))
-        if full <= len(req.block_hashes):
+        hashes, blocks, bs = req.block_hashes, req.block_ids, self.block_size
+        prompt, outputs, n = req.prompt_token_ids, req.output_token_ids, req.num_prompt_tokens
+        full = min(num_known_computed, n + len(outputs), len(blocks) * bs) // bs
+        done = len(hashes)
+        if full <= done:
             return
-        parent = req.block_hashes[-1] if req.block_hashes else 0
-        bs = self.block_size
-        for i in range(len(req.block_hashes), full):
-            h = hash((parent, tuple(req.token_slice(i * bs, (i + 1) * bs))))
-            block = req.block_ids[i]
-            req.block_hashes.append(h)
-            if h not in self.hash_to_block:
-                self.hash_to_block[h] = block
-                self.block_hash[block] = h
+        # called for a few requests every step: the token slices are taken here, not through Request.token_slice
+        parent = hashes[-1] if done else 0
+        hash_to_block, block_hash = self.hash_to_block, self.block_hash
+        for i in range(done, full):
+            start, end = i * bs, i * bs + bs
+            if end <= n:
+                tokens = prompt[start:end]
+            elif start >= n:
+                tokens = outputs[start - n:end - n]
+            else:
+                tokens = prompt[start:] + outputs[:end - n]
+            h = hash((parent, tuple(tokens)))
+            hashes.append(h)
+            if h not in hash_to_block:
+                block = blocks[i]
+                hash_to_block[h] = block
+                block_hash[block] = h
             parent = h
