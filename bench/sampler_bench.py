@@ -6,6 +6,7 @@ plain temperature, top-p 0.95, top-k 50 and both; prints one line per case and o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -30,7 +31,7 @@ def _tensors(rows: int, top_k: int, top_p: float) -> SamplingTensors:
         any_min_p=False, any_penalty=False, num_logprobs=-1, max_top_k=top_k)
 
 
-def time_case(rows: int, vocab: int, top_k: int, top_p: float) -> dict:
+def time_case(rows: int, vocab: int, top_k: int, top_p: float, top_k_chunk: int | None = None) -> dict:
     from backend.ops.triton.sampling import sample_rows
 
     logits = (torch.randn(rows, vocab, device="cuda") * 2).to(torch.bfloat16)  # (B, V)
@@ -39,7 +40,7 @@ def time_case(rows: int, vocab: int, top_k: int, top_p: float) -> dict:
                                                                                    torch.int64)),
                             torch.empty(rows, 1, dtype=torch.int64, device="cuda"),
                             torch.empty(rows, 1, device="cuda"), torch.empty(rows, device="cuda"))
-    fused, plain = Sampler(sample_rows), Sampler()
+    fused, plain = Sampler(functools.partial(sample_rows, top_k_chunk=top_k_chunk)), Sampler()
     plain.vocab_hash(vocab, "cuda")
     return {"rows": rows, "fused_ms": _time_graph(lambda: fused.sample_into(logits, st, targets)),
             "torch_ms": _time_graph(lambda: plain.sample_into(logits, st, targets))}
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", default="1,32,256")
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--top-k-chunks", default="",
+                    help="also time the top-k cases with these splits of top-k's histogram passes (e.g. 2048,4096)")
     args = ap.parse_args(argv)
     _require_cuda()
     results = {}
@@ -56,6 +59,11 @@ def main(argv=None) -> int:
         for rows in (int(r) for r in args.rows.split(",")):
             r = results[f"{name}_b{rows}"] = time_case(rows, args.vocab, **case)
             print(f"{name:12s} rows {rows:4d}: fused {r['fused_ms']:.3f} ms, torch {r['torch_ms']:.3f} ms", flush=True)
+            for top_k_chunk in (int(c) for c in args.top_k_chunks.split(",") if c and case["top_k"] > 0):
+                r = results[f"{name}_b{rows}_kc{top_k_chunk}"] = time_case(rows, args.vocab, **case,
+                                                                           top_k_chunk=top_k_chunk)
+                print(f"{name:12s} rows {rows:4d}: fused {r['fused_ms']:.3f} ms with top_k_chunk {top_k_chunk}",
+                      flush=True)
     print(json.dumps(results, separators=(",", ":")))
     return 0
 

@@ -280,3 +280,41 @@ def test_rows_without_top_k_draw_alike_without_its_passes():
                     any_top_k=any_top_k, **SMALL_CHUNKS)
         outs.append(out)
     assert outs[0].tolist() == outs[1].tolist()
+
+
+@pytest.mark.parametrize("top_k_chunk", [None, pytest.param(64, marks=SLOW)])
+def test_top_k_cutoffs_are_the_kth_largest_exactly(top_k_chunk):
+    """Top-k's radix descent lands on the k-th largest z bit for bit (bf16 logits, so with ties), for k from 1 to
+    V - 1 and any split of its histogram passes; its draws do not depend on that split."""
+    rows = 8 if INTERPRET else 256
+    logits = random_logits(rows, scale=2.0, seed=21)
+    logits[1, :] = logits[1, 0]  # one value everywhere: every token ties with the cutoff
+    s = settings(rows, temperature=1.0)  # z = x exactly, in the kernel and in torch
+    ks = [1, 2, 50, VOCAB - 1, 333, 7, 999, 64, 3, 17]
+    s["top_k"] = torch.tensor([ks[i % len(ks)] for i in range(rows)], dtype=torch.int32, device=DEVICE)
+    cutoffs = torch.empty(rows, device=DEVICE)
+    out = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+    sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"], out,
+                top_k_cutoffs=cutoffs, top_k_chunk=top_k_chunk, **SMALL_CHUNKS)
+    z = logits.float()
+    want = torch.stack([z[r].topk(int(s["top_k"][r])).values[-1] for r in range(rows)])
+    assert cutoffs.tolist() == want.tolist()
+    assert (z.gather(1, out.unsqueeze(1)).squeeze(1) >= want).all()
+    again = torch.empty_like(out)
+    sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"], again,
+                **SMALL_CHUNKS)
+    assert again.tolist() == out.tolist()
+
+
+def test_rows_without_top_k_report_no_cutoff():
+    rows = 4
+    logits = random_logits(rows, seed=22)
+    s = settings(rows, temperature=1.0, top_k=0)  # z = x exactly, in the kernel and in torch
+    s["top_k"][1] = 5
+    s["temperature"][2] = 0.0
+    s["top_k"][2] = 5  # greedy: no top-k
+    cutoffs = torch.empty(rows, device=DEVICE)
+    sample_rows(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"], s["step_index"],
+                torch.empty(rows, dtype=torch.int64, device=DEVICE), top_k_cutoffs=cutoffs, **SMALL_CHUNKS)
+    assert cutoffs[[0, 2, 3]].tolist() == [float("-inf")] * 3
+    assert cutoffs[1].item() == logits[1].float().topk(5).values[-1].item()

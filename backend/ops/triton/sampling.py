@@ -12,8 +12,9 @@ the same token whatever batch it shares.
   the cutoff, so rerunning the race above its z keeps every kept token in it: the first winner kept is the
   winner among the kept tokens, with no cutoff computed. With top-p 0.95 the first winner is kept 95% of the time;
 - top-k: its cutoff exactly, by a radix descent over the order-preserving 32-bit keys of z, 8 bits a pass: a
-  histogram of the next byte among the keys that match the bytes decided (4 passes); a winner below it is rejected
-  like one below the other cutoffs (every top-k token lies above it);
+  histogram of the next byte among the keys that match the bytes decided (4 passes; the first rides in pass 1, and a
+  block of keys none of which matches skips its histogram); a winner below it is rejected like one below the other
+  cutoffs (every top-k token lies above it);
 - with logprobs, one more pass counts the tokens more likely than the pick (its rank).
 A row with temperature 0 takes the first maximum, as torch.argmax does. Every setting is read per row from device
 memory, so a captured graph serves any mix of settings.
@@ -23,8 +24,9 @@ slowest row: at 256 rows one row or more nearly always needs a rerun, so every s
 after another. So pass 1, the top-p pass and the reruns are split: each row's vocabulary is cut into chunks of
 SAMPLE_CHUNK logits, one program a chunk, and the next kernel's programs combine the chunks' partial results
 (a race's winner is the best of the chunks' winners, first index on ties, so the split draws exactly the token one
-program would; the masses are sums of the chunks'). The top-k histograms are split the same way, a kernel summing the chunks'
-histograms after each. A row's state (open or done, its candidate, its top-k cutoff) travels between the kernels in
+program would; the masses are sums of the chunks'). The top-k histograms are split the same way (their chunks need not be the
+sampling chunks: the cutoff is exact whatever the split): each program adds its histogram into the row's with
+atomics, and the next pass's programs read the row's histograms so far and decide the cutoff's bytes themselves. A row's state (open or done, its candidate, its top-k cutoff) travels between the kernels in
 a small buffer; the rare row still open after the split reruns finishes in one program at the end. The chunks depend on the vocabulary alone, so a row's draw still ignores the
 batch around it.
 """
@@ -40,7 +42,7 @@ except ImportError as exc:  # the dispatcher catches this and keeps the plain-to
 
 from backend.ops.triton.launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
 
-__all__ = ["sample_rows", "SAMPLE_BLOCK", "SAMPLE_CHUNK"]
+__all__ = ["sample_rows", "vocab_part", "SAMPLE_BLOCK", "SAMPLE_CHUNK"]
 
 SAMPLE_BLOCK = 1024  # logits per loop iteration of a program
 SAMPLE_CHUNK = 8 * SAMPLE_BLOCK  # logits per program of the split passes: 16 programs a row of a 128K vocabulary
@@ -80,18 +82,19 @@ def _scaled(base, offs, V, T):
 
 
 @triton.jit
-def _gumbel(row_key, offs, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_VOCAB: tl.constexpr):
-    """-log(E) for E ~ Exp(1) drawn from (the row's seed and step, token): z + this races to a draw of softmax(z)."""
-    vocab = _mix32(offs.to(tl.uint32) ^ SALT_VOCAB, MUL1, MUL2)
-    bits = _mix32_tail(row_key ^ (vocab ^ (vocab >> 16)), MUL1, MUL2)
+def _gumbel(row_key, vocab_ptr, offs, mask, MUL1: tl.constexpr, MUL2: tl.constexpr):
+    """-log(E) for E ~ Exp(1) drawn from (the row's seed and step, token): z + this races to a draw of softmax(z).
+    The token's half of the hash is the same for every row, so it is read from a table (vocab_part) made once."""
+    vocab = tl.load(vocab_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    bits = _mix32_tail(row_key ^ vocab, MUL1, MUL2)
     # 23 bits + 0.5: u in (0, 1) exactly, so E = -log(u) is finite and > 0
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     return -tl.log(-tl.log(u))
 
 
 @triton.jit
-def _race(base, V, T, row_key, pivot, floor_key, MUL1: tl.constexpr, MUL2: tl.constexpr,
-          SALT_VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+def _race(base, vocab_ptr, V, T, row_key, pivot, floor_key, MUL1: tl.constexpr, MUL2: tl.constexpr,
+          BLOCK: tl.constexpr):
     """The winner (first index on ties) of z + gumbel among tokens with z > pivot and key >= floor_key."""
     lanes = tl.arange(0, BLOCK)
     top_score = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -100,7 +103,7 @@ def _race(base, V, T, row_key, pivot, floor_key, MUL1: tl.constexpr, MUL2: tl.co
         offs = start + lanes
         z = _scaled(base, offs, V, T)
         score = tl.where((z > pivot) & (_order_key(z) >= floor_key) & (offs < V),
-                         z + _gumbel(row_key, offs, MUL1, MUL2, SALT_VOCAB), float("-inf"))
+                         z + _gumbel(row_key, vocab_ptr, offs, offs < V, MUL1, MUL2), float("-inf"))
         top_at = tl.where(score > top_score, offs, top_at)
         top_score = tl.maximum(top_score, score)
     best = tl.max(top_score, axis=0)
@@ -174,12 +177,13 @@ def _kept(pf_ptr, row, S, z_c, max_z, floor_key, top_p, min_p, NF: tl.constexpr,
 
 
 @triton.jit
-def _first_pass_kernel(logits_ptr, stride_l, V, S, temp_ptr, seed_ptr, step_ptr, pf_ptr, pi_ptr, state_ptr,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, LOGPROBS: tl.constexpr, NF: tl.constexpr,
-                       NI: tl.constexpr, NS: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr,
-                       SALT_VOCAB: tl.constexpr, PDL: tl.constexpr):
+def _first_pass_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, seed_ptr, step_ptr, vocab_ptr, pf_ptr, pi_ptr,
+                       state_ptr, hist_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, LOGPROBS: tl.constexpr,
+                       TOP_K: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr, NS: tl.constexpr, MUL1: tl.constexpr,
+                       MUL2: tl.constexpr, SALT_SEED: tl.constexpr, PDL: tl.constexpr):
     """Pass 1 over one chunk of one row: its maximum and first index, with logprobs the sum of exp(x - max), and
-    for a sampled row the race's winner in the chunk."""
+    for a sampled row the race's winner in the chunk; for a top-k row, top-k's first histogram (the keys' top byte)
+    added into the row's."""
     allow_dependents(PDL)
     dependent_wait(PDL)
     row = tl.program_id(0)
@@ -189,17 +193,23 @@ def _first_pass_kernel(logits_ptr, stride_l, V, S, temp_ptr, seed_ptr, step_ptr,
     T = tl.load(temp_ptr + row)
     sampled = T > 0
     T_safe = tl.where(sampled, T, 1.0)
+    with_top_k = False
+    if TOP_K:
+        k = tl.load(top_k_ptr + row)
+        with_top_k = sampled & (k > 0) & (k < V)
     row_key = _row_key(seed_ptr, step_ptr, row, MUL1, MUL2, SALT_SEED)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_at = tl.zeros([BLOCK], tl.int32)
     sums = tl.zeros([BLOCK], tl.float32)
     top_score = tl.full([BLOCK], float("-inf"), tl.float32)
     top_at = tl.zeros([BLOCK], tl.int32)
+    hist = tl.zeros([256], tl.int32)
     lo = chunk * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     for start in range(lo, hi, BLOCK):
         offs = start + lanes
-        x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        valid = offs < hi
+        x = tl.load(base + offs, mask=valid, other=float("-inf")).to(tl.float32)
         best_at = tl.where(x > best, offs, best_at)
         if LOGPROBS:
             new = tl.maximum(best, x)
@@ -209,9 +219,12 @@ def _first_pass_kernel(logits_ptr, stride_l, V, S, temp_ptr, seed_ptr, step_ptr,
         else:
             best = tl.maximum(best, x)
         if sampled:
-            score = tl.where(offs < hi, x / T_safe + _gumbel(row_key, offs, MUL1, MUL2, SALT_VOCAB), float("-inf"))
+            z = x / T_safe
+            score = tl.where(valid, z + _gumbel(row_key, vocab_ptr, offs, valid, MUL1, MUL2), float("-inf"))
             top_at = tl.where(score > top_score, offs, top_at)
             top_score = tl.maximum(top_score, score)
+            if with_top_k:
+                hist += tl.histogram((_order_key(z) >> 24).to(tl.int32), 256, mask=valid)
     slot = row.to(tl.int64) * S + chunk
     x_max = tl.max(best, axis=0)
     tl.store(pf_ptr + slot * NF + 0, x_max)
@@ -222,17 +235,45 @@ def _first_pass_kernel(logits_ptr, stride_l, V, S, temp_ptr, seed_ptr, step_ptr,
     race = tl.max(top_score, axis=0)
     tl.store(pf_ptr + slot * NF + 2, race)
     tl.store(pi_ptr + slot * NI + 1, tl.min(tl.where(top_score == race, top_at, V), axis=0))
+    if with_top_k:
+        bins = tl.arange(0, 256)
+        tl.atomic_add(hist_ptr + row.to(tl.int64) * 4 * 256 + bins, hist, mask=hist > 0)
     if chunk == 0:
         tl.store(state_ptr + row * NS, 0)  # _OPEN
         tl.store(state_ptr + row * NS + 2, 0)  # no top-k cutoff yet
 
 
 @triton.jit
-def _top_k_hist_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, state_ptr, hist_ptr, above_ptr,
-                       SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
-                       PDL: tl.constexpr):
-    """One pass of top-k's radix descent over one chunk of a top-k row: the histogram of the key byte at SHIFT among
-    the keys whose higher bytes are the ones decided, and how many keys lie above those."""
+def _vocab_part_kernel(out_ptr, V, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_VOCAB: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """The token's half of the noise hash (the torch sampler's vocab_hash, shift-xored), as int32 bits."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    vocab = _mix32(offs.to(tl.uint32) ^ SALT_VOCAB, MUL1, MUL2)
+    tl.store(out_ptr + offs, (vocab ^ (vocab >> 16)).to(tl.int32, bitcast=True), mask=offs < V)
+
+
+@triton.jit
+def _top_k_prefix(hist_ptr, row, k, PASSES: tl.constexpr):
+    """The top-k cutoff's key bytes that the row's first PASSES histograms decide (top byte first), the others 0.
+    Pass p's histogram counts the next byte of the keys whose higher bytes are the ones decided before it."""
+    bins = tl.arange(0, 256)
+    prefix = (k - k).to(tl.uint32)  # scalar zeros of the loop's types
+    above = k - k  # keys whose decided bytes are larger than the cutoff's
+    for p in tl.static_range(PASSES):
+        hist = tl.load(hist_ptr + (row.to(tl.int64) * 4 + p) * 256 + bins)
+        # keys at or above each candidate byte d: those above the bytes decided, plus the matching ones >= d
+        at_least = above + tl.sum(hist, axis=0) - tl.cumsum(hist, 0) + hist
+        d = tl.maximum(tl.sum((at_least >= k).to(tl.int32), axis=0) - 1, 0)
+        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
+        above += tl.sum(tl.where(bins > d, hist, 0), axis=0)
+    return prefix
+
+
+@triton.jit
+def _top_k_hist_kernel(logits_ptr, stride_l, V, temp_ptr, top_k_ptr, hist_ptr, PASS: tl.constexpr,
+                       SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Pass PASS (1-3) of top-k's radix descent over one chunk of a top-k row: the histogram of the key byte at SHIFT
+    among the keys whose higher bytes are the ones the earlier passes decided, added into the row's."""
     allow_dependents(PDL)
     dependent_wait(PDL)
     row = tl.program_id(0)
@@ -242,58 +283,29 @@ def _top_k_hist_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, state_pt
     if (T <= 0) | (k <= 0) | (k >= V):
         return
     base = logits_ptr + row.to(tl.int64) * stride_l
-    prefix = tl.load(state_ptr + row * NS + 2).to(tl.uint32, bitcast=True)
+    decided = _top_k_prefix(hist_ptr, row, k, PASS) >> (SHIFT + 8)
     lanes = tl.arange(0, BLOCK)
     hist = tl.zeros([256], tl.int32)
-    above = tl.zeros([BLOCK], tl.int32)
     lo = chunk * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     for start in range(lo, hi, BLOCK):
         offs = start + lanes
-        valid = offs < hi
         key = _order_key(_scaled(base, offs, hi, T))
-        if SHIFT == 24:
-            match = valid
-        else:
-            high, decided = key >> (SHIFT + 8), prefix >> (SHIFT + 8)
-            match = valid & (high == decided)
-            above += (valid & (high > decided)).to(tl.int32)
-        hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=match)
-    slot = row.to(tl.int64) * S + chunk
-    tl.store(hist_ptr + slot * 256 + tl.arange(0, 256), hist)
-    tl.store(above_ptr + slot, tl.sum(above, axis=0))
+        match = (offs < hi) & ((key >> (SHIFT + 8)) == decided)
+        if tl.max(match.to(tl.int32), axis=0) > 0:  # after the top byte, most blocks hold no matching key
+            hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=match)
+    bins = tl.arange(0, 256)
+    tl.atomic_add(hist_ptr + (row.to(tl.int64) * 4 + PASS) * 256 + bins, hist, mask=hist > 0)
 
 
 @triton.jit
-def _top_k_pick_kernel(V, S, temp_ptr, top_k_ptr, state_ptr, hist_ptr, above_ptr, SHIFT: tl.constexpr,
-                       NS: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
-    """The chunks' histograms summed: the key byte at SHIFT of the k-th largest z (ties included) joins the cutoff."""
-    allow_dependents(PDL)
-    dependent_wait(PDL)
-    row = tl.program_id(0)
-    T = tl.load(temp_ptr + row)
-    k = tl.load(top_k_ptr + row)
-    if (T <= 0) | (k <= 0) | (k >= V):
-        return
-    c = tl.arange(0, SP)
-    slot = row.to(tl.int64) * S + c
-    hist = tl.sum(tl.load(hist_ptr + slot[:, None] * 256 + tl.arange(0, 256)[None, :], mask=(c < S)[:, None],
-                          other=0), axis=0)  # (256,)
-    above = tl.sum(tl.load(above_ptr + slot, mask=c < S, other=0), axis=0)
-    # tokens at or above each candidate byte d: those above the decided prefix, plus the bytes >= d
-    at_least = above + tl.sum(hist, axis=0) - tl.cumsum(hist, 0) + hist
-    d = tl.maximum(tl.sum((at_least >= k).to(tl.int32), axis=0) - 1, 0)
-    prefix = tl.load(state_ptr + row * NS + 2).to(tl.uint32, bitcast=True) | (d.to(tl.uint32) << SHIFT)
-    tl.store(state_ptr + row * NS + 2, prefix.to(tl.int32, bitcast=True))
-
-
-@triton.jit
-def _nucleus_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, pf_ptr, pi_ptr, state_ptr,
-                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr, NS: tl.constexpr,
-                    SP: tl.constexpr, PDL: tl.constexpr):
+def _nucleus_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, pf_ptr, pi_ptr, state_ptr,
+                    hist_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr,
+                    NS: tl.constexpr, SP: tl.constexpr, TOP_K_CUTOFF: tl.constexpr, PDL: tl.constexpr):
     """An open row's candidate is the best of the chunks' race winners; with top-p, one chunk's masses among the
     tokens top-k keeps: all of them, and the part strictly above the candidate. Greedy rows, and candidates that
-    top-k and min-p alone keep, are done here."""
+    top-k and min-p alone keep, are done here. With TOP_K_CUTOFF (the first call after top-k's passes) a top-k row's
+    cutoff comes from its four histograms, and chunk 0 keeps it in the row's state for the kernels after."""
     allow_dependents(PDL)
     dependent_wait(PDL)
     row = tl.program_id(0)
@@ -315,6 +327,12 @@ def _nucleus_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, 
     max_z = x_max / T  # dividing by T > 0 keeps the order, so this is the largest z
     z_c = tl.load(base + token).to(tl.float32) / T
     floor_key = tl.load(state_ptr + row * NS + 2).to(tl.uint32, bitcast=True)
+    if TOP_K_CUTOFF:
+        k = tl.load(top_k_ptr + row)
+        if (k > 0) & (k < V):
+            floor_key = _top_k_prefix(hist_ptr, row, k, 4)
+        if chunk == 0:
+            tl.store(state_ptr + row * NS + 2, floor_key.to(tl.int32, bitcast=True))
     top_p = tl.load(top_p_ptr + row)
     cut_ok = (_order_key(z_c) >= floor_key) & (tl.exp(z_c - max_z) >= tl.load(min_p_ptr + row))
     if top_p >= 1.0:
@@ -339,10 +357,10 @@ def _nucleus_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, 
 
 
 @triton.jit
-def _rerun_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr, pf_ptr, pi_ptr,
-                  state_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr,
+def _rerun_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr, vocab_ptr, pf_ptr,
+                  pi_ptr, state_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr,
                   NS: tl.constexpr, SP: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr,
-                  SALT_VOCAB: tl.constexpr, PDL: tl.constexpr):
+                  PDL: tl.constexpr):
     """An open row whose candidate the cutoffs keep is done; otherwise the race is rerun in this chunk above the
     candidate's z, among the tokens top-k keeps (the next nucleus kernel combines the chunks' winners)."""
     allow_dependents(PDL)
@@ -371,7 +389,7 @@ def _rerun_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, se
         offs = start + lanes
         z = _scaled(base, offs, hi, T)
         inside = (z > z_c) & (_order_key(z) >= floor_key) & (offs < hi)
-        score = tl.where(inside, z + _gumbel(row_key, offs, MUL1, MUL2, SALT_VOCAB), float("-inf"))
+        score = tl.where(inside, z + _gumbel(row_key, vocab_ptr, offs, offs < hi, MUL1, MUL2), float("-inf"))
         top_at = tl.where(score > top_score, offs, top_at)
         top_score = tl.maximum(top_score, score)
     slot = row.to(tl.int64) * S + chunk
@@ -381,11 +399,11 @@ def _rerun_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, se
 
 
 @triton.jit
-def _final_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr, pf_ptr, pi_ptr,
-                  state_ptr, out_ptr, logprob_ptr, rank_ptr, lse_ptr,
+def _final_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr, vocab_ptr, pf_ptr,
+                  pi_ptr, state_ptr, out_ptr, logprob_ptr, rank_ptr, lse_ptr,
                   BLOCK: tl.constexpr, LOGPROBS: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr, NS: tl.constexpr,
                   SP: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, SALT_SEED: tl.constexpr,
-                  SALT_VOCAB: tl.constexpr, PDL: tl.constexpr):
+                  PDL: tl.constexpr):
     """One program a row: a done row's token is written; a row still open after the split reruns is finished here
     (the whole row, pass after pass); with logprobs, the pick's log-probability and the row's log-sum-exp, its rank
     set to 1 (the rank kernel adds the tokens above it)."""
@@ -405,7 +423,7 @@ def _final_kernel(logits_ptr, stride_l, V, S, temp_ptr, top_p_ptr, min_p_ptr, se
         z_c = tl.load(base + token).to(tl.float32) / T
         kept = _kept(pf_ptr, row, S, z_c, max_z, floor_key, top_p, min_p, NF, 3, 4, SP)
         while not kept:
-            token = _race(base, V, T, row_key, z_c, floor_key, MUL1, MUL2, SALT_VOCAB, BLOCK)
+            token = _race(base, vocab_ptr, V, T, row_key, z_c, floor_key, MUL1, MUL2, BLOCK)
             z_c = tl.load(base + token).to(tl.float32) / T
             kept = tl.exp(z_c - max_z) >= min_p
             if top_p < 1.0:
@@ -444,18 +462,42 @@ def _rank_kernel(logits_ptr, stride_l, V, out_ptr, rank_ptr, CHUNK: tl.constexpr
     tl.atomic_add(rank_ptr + row, tl.sum(above, axis=0).to(tl.int64))
 
 
+_VOCAB_PARTS: dict[tuple[int, torch.device], torch.Tensor] = {}  # (V,) int32 per vocabulary size and device
+
+
+def vocab_part(vocab: int, device: torch.device | str) -> torch.Tensor:
+    """The noise hash's token half for a vocabulary, (V,) int32, made on first use and kept: the first call must
+    come before any graph capture (a graph's warm-up run does it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    table = _VOCAB_PARTS.get((vocab, device))
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("sample_rows: run it once before capturing a CUDA graph (its noise table is made "
+                               "on first use)")
+        table = torch.empty(vocab, dtype=torch.int32, device=device)
+        _vocab_part_kernel[(triton.cdiv(vocab, SAMPLE_BLOCK),)](table, vocab, MUL1=_MUL1, MUL2=_MUL2,
+                                                                  SALT_VOCAB=_SALT_VOCAB, BLOCK=SAMPLE_BLOCK)
+        _VOCAB_PARTS[(vocab, device)] = table
+    return table
+
+
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, seeds: torch.Tensor, step_index: torch.Tensor, out: torch.Tensor, *,
                 logprobs: torch.Tensor | None = None, ranks: torch.Tensor | None = None,
                 lse: torch.Tensor | None = None, pdl: bool = False, any_top_k: bool = True,
-                chunk: int = SAMPLE_CHUNK, block: int = SAMPLE_BLOCK) -> torch.Tensor:
+                chunk: int = SAMPLE_CHUNK, block: int = SAMPLE_BLOCK, top_k_chunk: int | None = None,
+                top_k_cutoffs: torch.Tensor | None = None) -> torch.Tensor:
     """Sample one token per row of logits (B, V) into out (B,) int64; returns out.
 
     Per row (all (B,) device tensors): temperature f32 (0: greedy), top_k int32 (<= 0: off), top_p f32, min_p f32,
     seeds and step_index int64. With logprobs, ranks and lse (all three or none): the pick's log-probability under
     the raw logits (B,) f32, its 1-based rank (B,) int64 and the row's log-sum-exp (B,) f32. any_top_k=False leaves
     out top-k's passes: only for rows none of which has top-k on. chunk (a multiple of block) sets the split passes'
-    chunks; every caller that must draw the same tokens uses the same chunk."""
+    chunks; every caller that must draw the same tokens uses the same chunk. top_k_chunk (default: chunk) splits
+    top-k's last three histogram passes, and changes no draw. top_k_cutoffs ((B,) f32), when given, receives each
+    top-k row's cutoff: the k-th largest z = x / T, whose ties top-k keeps (-inf for rows without top-k)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -464,44 +506,57 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     with_logprobs = logprobs is not None
     if with_logprobs != (ranks is not None) or with_logprobs != (lse is not None):
         raise ValueError("logprobs, ranks and lse go together")
-    if chunk <= 0 or chunk % block:
-        raise ValueError(f"chunk must be a positive multiple of block ({block}), got {chunk}")
+    top_k_chunk = chunk if top_k_chunk is None else top_k_chunk
+    for name, size in (("chunk", chunk), ("top_k_chunk", top_k_chunk)):
+        if size <= 0 or size % block:
+            raise ValueError(f"{name} must be a positive multiple of block ({block}), got {size}")
     if rows == 0:
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     chunks = triton.cdiv(vocab, chunk)
     device = logits.device
+    table = vocab_part(vocab, device)
     pf = torch.empty((rows, chunks, _NF), dtype=torch.float32, device=device)  # per-chunk partial results
     pi = torch.empty((rows, chunks, _NI), dtype=torch.int32, device=device)
     state = torch.empty((rows, _NS), dtype=torch.int32, device=device)  # per row: status, candidate, top-k cutoff
+    # top-k's four histograms a row, summed over chunks by atomics (so they start at zero)
+    hist = torch.zeros((rows, 4, 256), dtype=torch.int32, device=device) if any_top_k else state
     dummy = out
     split = (rows, chunks)
     common = dict(PDL=pdl, launch_pdl=pdl)
     sizes = dict(NF=_NF, NI=_NI, NS=_NS, SP=triton.next_power_of_2(chunks))
-    noise = dict(MUL1=_MUL1, MUL2=_MUL2, SALT_SEED=_SALT_SEED, SALT_VOCAB=_SALT_VOCAB)
+    noise = dict(MUL1=_MUL1, MUL2=_MUL2, SALT_SEED=_SALT_SEED)
     walk = dict(CHUNK=chunk, BLOCK=block, num_warps=4)
     l, s = logits, logits.stride(0)
-    _first_pass_kernel[split](l, s, vocab, chunks, temperature, seeds, step_index, pf, pi, state, LOGPROBS=with_logprobs,
-                              NF=_NF, NI=_NI, NS=_NS, **noise, **walk, **common)
+    _first_pass_kernel[split](l, s, vocab, chunks, temperature, top_k, seeds, step_index, table, pf, pi, state, hist,
+                              LOGPROBS=with_logprobs, TOP_K=any_top_k, NF=_NF, NI=_NI, NS=_NS, **noise, **walk,
+                              **common)
     if any_top_k:
-        hist = torch.empty((rows, chunks, 256), dtype=torch.int32, device=device)  # one radix pass's histograms
-        above = torch.empty((rows, chunks), dtype=torch.int32, device=device)
-        for shift in (24, 16, 8, 0):
-            _top_k_hist_kernel[split](l, s, vocab, chunks, temperature, top_k, state, hist, above, SHIFT=shift,
-                                      NS=_NS, **walk, **common)
-            _top_k_pick_kernel[(rows,)](vocab, chunks, temperature, top_k, state, hist, above, SHIFT=shift, NS=_NS,
-                                        SP=sizes["SP"], **common, num_warps=4)
-    nucleus_args = (l, s, vocab, chunks, temperature, top_p, min_p, pf, pi, state)
-    _nucleus_kernel[split](*nucleus_args, **sizes, **walk, **common)
+        for p, shift in ((1, 16), (2, 8), (3, 0)):
+            _top_k_hist_kernel[(rows, triton.cdiv(vocab, top_k_chunk))](
+                l, s, vocab, temperature, top_k, hist, PASS=p, SHIFT=shift, CHUNK=top_k_chunk, BLOCK=block,
+                num_warps=4, **common)
+    nucleus_args = (l, s, vocab, chunks, temperature, top_k, top_p, min_p, pf, pi, state, hist)
+    _nucleus_kernel[split](*nucleus_args, **sizes, **walk, TOP_K_CUTOFF=any_top_k, **common)
     for _ in range(SPLIT_RERUNS):
-        _rerun_kernel[split](l, s, vocab, chunks, temperature, top_p, min_p, seeds, step_index, pf, pi, state,
+        _rerun_kernel[split](l, s, vocab, chunks, temperature, top_p, min_p, seeds, step_index, table, pf, pi, state,
                              **sizes, **noise, **walk, **common)
-        _nucleus_kernel[split](*nucleus_args, **sizes, **walk, **common)
-    _final_kernel[(rows,)](l, s, vocab, chunks, temperature, top_p, min_p, seeds, step_index, pf, pi, state, out,
-                           logprobs if with_logprobs else dummy, ranks if with_logprobs else dummy,
+        _nucleus_kernel[split](*nucleus_args, **sizes, **walk, TOP_K_CUTOFF=False, **common)
+    _final_kernel[(rows,)](l, s, vocab, chunks, temperature, top_p, min_p, seeds, step_index, table, pf, pi, state,
+                           out, logprobs if with_logprobs else dummy, ranks if with_logprobs else dummy,
                            lse if with_logprobs else dummy, BLOCK=block, LOGPROBS=with_logprobs, **sizes, **noise,
                            **common, num_warps=8)
     if with_logprobs:
         _rank_kernel[split](l, s, vocab, out, ranks, **walk, **common)
+    if top_k_cutoffs is not None:
+        with_cutoff = (temperature > 0) & (top_k > 0) & (top_k < vocab) if any_top_k else torch.zeros_like(top_k).bool()
+        top_k_cutoffs.copy_(torch.where(with_cutoff, _key_to_float(state[:, 2]), float("-inf")))
     return out
+
+
+def _key_to_float(keys: torch.Tensor) -> torch.Tensor:
+    """_order_key's inverse on int32-stored keys: (B,) int32 → (B,) float32."""
+    key = keys.to(torch.int64) & 0xFFFFFFFF
+    bits = torch.where(key >= 2**31, key ^ 0x80000000, key ^ 0xFFFFFFFF)
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
