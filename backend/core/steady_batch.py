@@ -196,10 +196,9 @@ class SteadyBatch:
 
     def changes_since(self, version: int) -> list[tuple[str, object]] | None:
         """The recorded changes from `version` to now, oldest first; None when one of them is no longer recorded."""
-        versions = range(version + 1, self.version + 1)
-        if any(v not in self.changes for v in versions):
+        if self.version - version > len(self.changes):  # the recorded versions are the latest, one after another
             return None
-        return [self.changes[v] for v in versions]
+        return [self.changes[v] for v in range(version + 1, self.version + 1)]
 
     def rows_gone_since(self, version: int, n: int) -> np.ndarray | None:
         """Of the n rows the batch had at `version`, which are no longer rows now (bool mask), from the recorded
@@ -207,15 +206,15 @@ class SteadyBatch:
         changes = self.changes_since(version)
         if changes is None:
             return None
-        where = np.arange(n)  # each of those rows' row index now, -1 once deleted
+        # those rows stay the batch's first rows, in order (appended rows go after them): survivors is which of
+        # them the leading rows are now, and each kept mask's leading entries are about them
+        survivors = np.arange(n)
         for kind, change in changes:
-            if kind != "keep":  # appended rows go after the old ones, whose indices stay
-                continue
-            alive = where >= 0
-            kept = np.zeros(n, dtype=bool)
-            kept[alive] = change[where[alive]]
-            where = np.where(kept, (np.cumsum(change) - 1)[np.maximum(where, 0)], -1)
-        return where < 0
+            if kind == "keep":
+                survivors = survivors[change[:len(survivors)]]
+        gone = np.ones(n, dtype=bool)
+        gone[survivors] = False
+        return gone
 
     @staticmethod
     def eligible(req: Request) -> bool:

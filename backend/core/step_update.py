@@ -106,10 +106,13 @@ class StepUpdater:
         sb.accept(tokens, keep)
         bm = self.block_manager
         if bm.enable_prefix_caching:
-            for row in sb.rows_to_hash():  # blocks that just filled up, for later prefix hits
+            bs = bm.block_size
+            for row in sb.rows_to_hash().tolist():  # blocks that just filled up, for later prefix hits
                 if keep is None or keep[row]:  # a risky row's token is not appended yet: hashed after its update
                     req = sb.requests[row]
-                    bm.register_full_blocks(req, req.num_computed_tokens)
+                    # the packed-rows update hashes blocks without counting them here: then only the count moves
+                    if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs:
+                        bm.register_full_blocks(req, req.num_computed_tokens)
                     sb.hashed_blocks[row] = len(req.block_hashes)
         return sb.events(tokens, keep), risky.tolist()
 
