@@ -44,8 +44,9 @@ class PackedRows:
 class SteadyBatch:
     """The decoding running requests as rows: their KV positions, block tables and limits as numpy arrays."""
 
-    # per-row arrays, kept in row order by _delete and _append
-    _ARRAYS = ("computed", "token_cap", "num_blocks", "table_rows", "hashed_blocks", "src_rows", "streamed")
+    # per-row int64 arrays: the rows of one matrix (_ints), so a row change rebuilds one array, not six; each name
+    # is a view of its matrix row (in-place updates reach the matrix), rebound whenever the matrix is replaced
+    _INTS = ("computed", "token_cap", "num_blocks", "table_rows", "hashed_blocks", "src_rows")
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
         self.block_size = block_size
@@ -59,7 +60,7 @@ class SteadyBatch:
         self.table_store = np.zeros((max(2 * len(self.requests), 16), max_blocks), dtype=np.int32)
         self._free_store_rows = list(range(len(self.table_store) - 1, -1, -1))  # a stack, the lowest row on top
         # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
-        self._set_arrays(self._columns(self.requests, np.arange(len(self.requests))))
+        self._set_arrays(*self._columns(self.requests, range(len(self.requests))))
         # any row's stop token: a step that samples one goes to the general update, which checks each row
         self.stop_ids = frozenset().union(*(r.stop_ids for r in self.requests))
         self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
@@ -75,21 +76,22 @@ class SteadyBatch:
         self.joiner_rows: dict[int, int] = {}
         self.packed_rows: dict[int, PackedRows] = {}  # by version: the rows of the steps packed lately
 
-    def _columns(self, reqs: list[Request], src_rows: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The per-row arrays (in _ARRAYS order) for reqs, read from the requests themselves."""
-        n = len(reqs)
-        # tokens whose KV is written or queued (== request.num_computed_tokens while this batch is current)
-        computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=n)
-        # a row may take a steady step only while its token count stays below this cap (max_tokens, max_model_len)
-        token_cap = np.fromiter((min(self.max_model_len, r.num_prompt_tokens + r.params.max_tokens) for r in reqs),
-                                dtype=np.int64, count=n)
-        num_blocks = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=n)
-        table_rows = self._store_tables(reqs)
-        # full blocks already hashed for prefix caching
-        hashed_blocks = np.fromiter((len(r.block_hashes) for r in reqs), dtype=np.int64, count=n)
+    def _columns(self, reqs: list[Request], src_rows) -> tuple[np.ndarray, np.ndarray]:
+        """The per-row values for reqs, read from the requests themselves: (len(_INTS), rows) ints, and streamed."""
+        cap = self.max_model_len
+        # computed: tokens whose KV is written or queued (== request.num_computed_tokens while this batch is
+        # current); token_cap: a row may take a steady step only while its token count stays below it (max_tokens,
+        # max_model_len); hashed_blocks: full blocks already hashed for prefix caching; src_rows: its row in the
+        # step packed last (carry-over reads that step's sampled token from there)
+        ints = np.array([[r.num_computed_tokens for r in reqs],
+                         [min(cap, r.num_prompt_tokens + r.params.max_tokens) for r in reqs],
+                         [len(r.block_ids) for r in reqs],
+                         self._store_tables(reqs),
+                         [len(r.block_hashes) for r in reqs],
+                         list(src_rows)], dtype=np.int64).reshape(len(self._INTS), len(reqs))
         # rows whose caller streams: they get a (request_id, token) event every step
-        streamed = np.fromiter((not r.final_only for r in reqs), dtype=bool, count=n)
-        return computed, token_cap, num_blocks, table_rows, hashed_blocks, src_rows.astype(np.int64), streamed
+        streamed = np.array([not r.final_only for r in reqs], dtype=bool)
+        return ints, streamed
 
     def _store_tables(self, reqs: list[Request]) -> np.ndarray:
         """Write reqs' blocks into free rows of the table store (it doubles when too few are free); their rows."""
@@ -105,7 +107,7 @@ class SteadyBatch:
         store = self.table_store
         for row, req in zip(rows, reqs):
             store[row, :len(req.block_ids)] = req.block_ids
-        return np.array(rows, dtype=np.int64)
+        return rows
 
     @property
     def tables(self) -> np.ndarray:
@@ -113,9 +115,10 @@ class SteadyBatch:
         stale)."""
         return self.table_store[self.table_rows]
 
-    def _set_arrays(self, arrays) -> None:
-        for name, array in zip(self._ARRAYS, arrays):
-            setattr(self, name, array)
+    def _set_arrays(self, ints: np.ndarray, streamed: np.ndarray) -> None:
+        self._ints, self.streamed = ints, streamed
+        (self.computed, self.token_cap, self.num_blocks, self.table_rows, self.hashed_blocks,
+         self.src_rows) = ints
 
     def _index_rows(self) -> None:
         self.streamed_rows = np.flatnonzero(self.streamed).tolist()
@@ -148,14 +151,14 @@ class SteadyBatch:
         kept = keep.tolist()
         self.requests = list(compress(self.requests, kept))
         self.request_ids = list(compress(self.request_ids, kept))
-        self._set_arrays(getattr(self, name)[keep] for name in self._ARRAYS)
+        self._set_arrays(self._ints[:, keep], self.streamed[keep])
         self._index_rows()
         self._changed(("keep", keep))
 
     def packed(self, sampled: list[Request]) -> None:
         """A step was packed from these rows (then the joiners' rows of `sampled`, the step's sampled requests):
         the next step carries over from it row for row."""
-        self.src_rows = self.rows.copy()
+        self.src_rows[:] = self.rows  # in place: src_rows is a row of the matrix
         n = len(self.requests)
         self.joiner_rows = {id(r): row for row, r in enumerate(sampled[n:], start=n)} if len(sampled) > n else {}
         # the lists below are replaced, never changed in place, when rows leave or join: references suffice
@@ -180,8 +183,8 @@ class SteadyBatch:
     def _append(self, reqs: list[Request], src_rows: np.ndarray) -> None:
         self.requests.extend(reqs)
         self.request_ids.extend(r.request_id for r in reqs)
-        rows = self._columns(reqs, src_rows)
-        self._set_arrays(np.concatenate([getattr(self, name), part]) for name, part in zip(self._ARRAYS, rows))
+        ints, streamed = self._columns(reqs, src_rows.tolist())
+        self._set_arrays(np.concatenate([self._ints, ints], axis=1), np.concatenate([self.streamed, streamed]))
         self.stop_ids = self.stop_ids.union(*(r.stop_ids for r in reqs))
         self.all_plain_greedy = self.all_plain_greedy and all(r.plain_greedy for r in reqs)
         self.any_edits_logits = self.any_edits_logits or any(r.edits_logits for r in reqs)
