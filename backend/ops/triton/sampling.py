@@ -2,7 +2,8 @@
 
 The logits (model dtype) are read a few times and never sorted. The draw is a race: the winner of z + G over the kept
 tokens, where z = x / T and G = -log(E), E ~ Exp(1), comes from a counter-based hash of (seed, step, token) (the torch
-sampler's own hash: both draw the same noise), picks token i with probability softmax(z)_i among them, and a row draws
+sampler's own hash: both draw the same noise bits; G's outer log is a fast one here, so the two may order a near-tie
+apart), picks token i with probability softmax(z)_i among them, and a row draws
 the same token whatever batch it shares.
 - pass 1: the row's maximum and its first index (the greedy pick), with logprobs the sum of exp(x - max), and the
   race's winner over the whole vocabulary;
@@ -40,7 +41,8 @@ try:
 except ImportError as exc:  # the dispatcher catches this and keeps the plain-torch path
     raise ImportError("backend.ops.triton.sampling needs the `triton` package") from exc
 
-from backend.ops.triton.launch import allow_dependents, dependent_wait  # noqa: E402  (after the guarded import)
+from backend.ops.triton.fast_math import fast_log  # noqa: E402  (after the guarded import)
+from backend.ops.triton.launch import allow_dependents, dependent_wait  # noqa: E402
 
 __all__ = ["sample_rows", "vocab_part", "SAMPLE_BLOCK", "SAMPLE_CHUNK"]
 
@@ -89,7 +91,10 @@ def _gumbel(row_key, vocab_ptr, offs, mask, MUL1: tl.constexpr, MUL2: tl.constex
     bits = _mix32_tail(row_key ^ vocab, MUL1, MUL2)
     # 23 bits + 0.5: u in (0, 1) exactly, so E = -log(u) is finite and > 0
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    return -tl.log(-tl.log(u))
+    # E's own log stays exact: for u near 1, E is as small as 6e-8, where a fast log's absolute error would swamp it
+    # (and those E make the largest noise). The outer log may be fast: E lies in [6e-8, 16.7], where its error
+    # (under 2e-7 absolute) is below the rounding of z + noise, so it reorders near-ties only
+    return -fast_log(-tl.log(u))
 
 
 @triton.jit
