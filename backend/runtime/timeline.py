@@ -66,6 +66,27 @@ class RunningUnion:
             self.end = end
 
 
+ANCHOR_BRACKET_S = 0.002  # the host clock must be read within this long of placing the anchor
+ANCHOR_TRIES = 5
+
+
+def anchored_origin(place_anchor, clock, bracket_s: float = ANCHOR_BRACKET_S, tries: int = ANCHOR_TRIES) -> float:
+    """The host time at which the GPU ran the anchor event place_anchor() records and waits for.
+
+    Every GPU span is placed on the host clock by its distance from the anchor, so an origin read late shifts all of
+    them late against the CPU's spans and stretches the window the busy fraction divides by. A thread held up between
+    the wait and the clock read (another thread holding Python's lock through a long call, such as a profiler's
+    start) reads it late. So the wait is bracketed by two clock reads and the anchor placed again while the bracket
+    is wider than bracket_s (the last try is taken as it is)."""
+    for _ in range(tries):
+        before = clock()
+        place_anchor()
+        after = clock()
+        if after - before <= bracket_s:
+            break
+    return after
+
+
 class Timeline:
     """Records spans at low cost when enabled; switchable at run time; does nothing when disabled."""
 
@@ -100,12 +121,16 @@ class Timeline:
         self._mark = (0.0, 0.0, 0.0)
         self._recent_uncertain = 0.0
         if self.use_cuda:
-            # why: GPU spans are placed on the host clock relative to this event, so it must have executed
             self._anchor = torch.cuda.Event(enable_timing=True)
-            self._anchor.record()
-            self._anchor.synchronize()
-        self._origin = time.perf_counter()
+            self._origin = anchored_origin(self._place_anchor, time.perf_counter)
+        else:
+            self._origin = time.perf_counter()
         self.enabled = True
+
+    def _place_anchor(self) -> None:
+        self._anchor.record()
+        # why: GPU spans are placed on the host clock relative to this event, so it must have executed
+        self._anchor.synchronize()
 
     def disable(self) -> None:
         self.enabled = False

@@ -267,3 +267,16 @@ def test_the_pipeline_marks_graph_replays_and_lone_copies_gap_free():
     assert tl.ends == [("h2d", True), ("compute", True), ("d2h", True),
                        ("h2d", True), ("compute", False), ("d2h", True),
                        ("h2d", True), ("compute", True), ("d2h", False)]
+
+
+def test_the_anchor_is_placed_again_until_the_clock_reads_bracket_it_closely():
+    """A clock read held up after the anchor's wait (another thread holding Python's lock) would shift every GPU span
+    late: the origin comes from the first placement whose two clock reads lie within the bracket."""
+    from backend.runtime.timeline import anchored_origin
+
+    reads = iter([0.0, 3.0, 3.0, 5.0, 10.0, 10.001, 20.0, 20.0])  # held up 3 s, then 2 s, then a close bracket
+    placed = []
+    origin = anchored_origin(lambda: placed.append(1), lambda: next(reads), bracket_s=0.002, tries=5)
+    assert origin == 10.001 and len(placed) == 3
+    reads = iter([0.0, 1.0, 2.0, 3.0])  # never close: the last try stands
+    assert anchored_origin(lambda: None, lambda: next(reads), bracket_s=0.002, tries=2) == 3.0
