@@ -161,6 +161,33 @@ def fill_request_rows(reqs, host_f, host_i, host_k) -> dict:
                           host_f, host_i, host_k)
 
 
+# a row's flag bits (request_columns): the host flags of a batch (row_flags) are the OR of its rows' bits
+_SAMPLED, _TOP_K_ON, _TOP_P_ON, _MIN_P_ON, _PENALTY = 1, 2, 4, 8, 16
+
+
+def request_columns(reqs) -> tuple[np.ndarray, np.ndarray]:
+    """fill_request_rows' settings of reqs and each row's flag bits, read with per-row Python and two numpy calls
+    (numpy's per-call cost dominates for the few rows that join a steady batch): (6, m) float32 as host_f, and
+    (5, m) int64 rows: seed (its low 64 bits), step index, top_k (capped to int32), the top-k cutoff in force
+    (0: none) and the flag bits (row_flags' tests, row by row)."""
+    floats = np.array([_FLOAT_GETTER(r.params) for r in reqs], dtype=np.float32)  # (m, 6)
+    ints = [[], [], [], [], []]
+    seeds, steps, top_ks, cutoffs, bits = ints
+    for req, (temperature, top_p, min_p, rep, pres, freq) in zip(reqs, floats.tolist()):  # float32 values
+        seed = req.seed & _MASK64
+        seeds.append(seed - (1 << 64) if seed >> 63 else seed)  # as _seeds_array's int64 view
+        steps.append(req.num_output_tokens - 1)
+        k = min(req.params.top_k, _MAX_INT32)
+        top_ks.append(k)
+        sampled = temperature > 0  # greedy rows ignore top-k/top-p/min-p
+        top_k_on = sampled and k > 0
+        cutoffs.append(k if top_k_on else 0)
+        bits.append((_SAMPLED if sampled else 0) | (_TOP_K_ON if top_k_on else 0)
+                    | (_TOP_P_ON if sampled and top_p < 1 else 0) | (_MIN_P_ON if sampled and min_p > 0 else 0)
+                    | (_PENALTY if rep != 1 or pres != 0 or freq != 0 else 0))
+    return floats.T, np.array(ints, dtype=np.int64).reshape(5, len(reqs))
+
+
 def row_flags(host_f, host_k, num_logprobs: int) -> dict:
     """The host flags of rows whose settings are in host_f (6, n) and host_k (n,); num_logprobs: the most any row
     asks for, -1 for none."""
@@ -174,6 +201,20 @@ def row_flags(host_f, host_k, num_logprobs: int) -> dict:
         any_top_p=bool((sampled & (top_p < 1)).any()),
         any_min_p=bool((sampled & (min_p > 0)).any()),
         any_penalty=bool(((rep != 1) | (pres != 0) | (freq != 0)).any()),
+        num_logprobs=num_logprobs,
+    )
+
+
+def flags_of_bits(bits: int, max_top_k: int, num_logprobs: int) -> dict:
+    """row_flags' flags of rows whose flag bits (request_columns) OR to bits and whose largest top-k cutoff is
+    max_top_k."""
+    return dict(
+        all_greedy=not bits & _SAMPLED,
+        any_top_k=bool(bits & _TOP_K_ON),
+        max_top_k=max_top_k,
+        any_top_p=bool(bits & _TOP_P_ON),
+        any_min_p=bool(bits & _MIN_P_ON),
+        any_penalty=bool(bits & _PENALTY),
         num_logprobs=num_logprobs,
     )
 

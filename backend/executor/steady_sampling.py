@@ -4,9 +4,11 @@ from __future__ import annotations
 import numpy as np
 
 from backend.core.steady_batch import SteadyBatch
-from backend.executor.sampler import fill_request_rows, row_flags
+from backend.executor.sampler import flags_of_bits, request_columns
 
 _NO_LOGPROBS = -1  # steady rows never ask for logprobs (SteadyBatch.eligible)
+# rows of the kept int matrix (request_columns' rows, the step index less the token count)
+_SEED, _STEP_LESS_COUNT, _TOP_K, _CUTOFF, _BITS = range(5)
 
 
 def merge_flags(a: dict, b: dict) -> dict:
@@ -26,30 +28,31 @@ class SteadySamplingRows:
     """Per-row settings of a steady batch's rows, kept while its rows stay the same and following them as they change.
 
     Within a version only each row's step index moves, by one a step for every row, as its token count does: the
-    step index is the kept one plus how far the row's count moved since. When rows leave or join, the kept arrays
-    follow the batch's recorded changes (rows dropped by their mask, joiners' settings read and added at the end),
-    so only the joiners' requests are read. Reading every request's parameters for 256 rows costs a few hundred
-    microseconds of Python; following a change costs a few."""
+    kept value is the step index less the token count, and the step index is that plus the count of now. When rows
+    leave or join, the kept arrays follow the batch's recorded changes (rows dropped by their mask, joiners'
+    settings read and added at the end), so only the joiners' requests are read; the batch's flags come from each
+    row's kept flag bits by one OR and its top-k cutoffs by one max. Reading every request's parameters for 256
+    rows costs a few hundred microseconds of Python; following a change costs a few."""
 
     def __init__(self) -> None:
         self._batch: SteadyBatch | None = None
         self._version = -1
-        self._f = self._k = self._seeds = self._steps = self._computed = None
+        self._f: np.ndarray | None = None  # (6, rows) float32: the float settings, as fill_host_rows writes them
+        # (5, rows) int64: seed, step index less token count, top_k (int32 range), top-k cutoff in force (0: none),
+        # flag bits (sampler.request_columns)
+        self._i: np.ndarray | None = None
         self._flags: dict = {}
 
     def fill(self, sb: SteadyBatch, host_f: np.ndarray, host_i: np.ndarray, host_k: np.ndarray) -> dict:
         """Write the settings of sb's rows into host arrays (6, n) f32, (2, n) i64, (n,) i32; return their flags."""
         if sb is not self._batch or (sb.version != self._version and not self._follow(sb)):
-            self._flags = fill_request_rows(sb.requests, host_f, host_i, host_k)
+            self._f, self._i = self._read_rows(sb.requests, sb.computed)
             self._batch, self._version = sb, sb.version
-            self._f, self._k = host_f.copy(), host_k.copy()
-            self._seeds, self._steps = host_i[0].copy(), host_i[1].copy()
-            self._computed = sb.computed.copy()
-            return self._flags
+            self._flags = self._batch_flags()
         host_f[:] = self._f
-        host_k[:] = self._k
-        host_i[0] = self._seeds
-        np.add(self._steps, sb.computed - self._computed, out=host_i[1])
+        host_i[0] = self._i[_SEED]
+        np.add(self._i[_STEP_LESS_COUNT], sb.computed, out=host_i[1])
+        host_k[:] = self._i[_TOP_K]
         return self._flags
 
     def _follow(self, sb: SteadyBatch) -> bool:
@@ -60,26 +63,27 @@ class SteadySamplingRows:
             return False
         for kind, change in changes:
             if kind == "keep":
-                keep = change
-                self._f, self._k = self._f[:, keep], self._k[keep]
-                self._seeds, self._steps, self._computed = self._seeds[keep], self._steps[keep], self._computed[keep]
+                self._f, self._i = self._f[:, change], self._i[:, change]
             else:
                 self._add_rows(change)
-        self._flags = row_flags(self._f, self._k, _NO_LOGPROBS)
+        self._flags = self._batch_flags()
         self._version = sb.version
         return True
 
     def _add_rows(self, reqs: list) -> None:
-        """The joiners' settings, read from them now with their step index and token count of now (which move
-        together from here, as the kept rows' do)."""
-        m = len(reqs)
-        f = np.empty((self._f.shape[0], m), dtype=self._f.dtype)
-        i = np.empty((2, m), dtype=self._seeds.dtype)
-        k = np.empty(m, dtype=self._k.dtype)
-        fill_request_rows(reqs, f, i, k)
-        computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=self._computed.dtype, count=m)
+        """The joiners' settings, read from them now with their token count of now (the step index and the count
+        move together from here, as the kept rows' do)."""
+        f, i = self._read_rows(reqs, [r.num_computed_tokens for r in reqs])
         self._f = np.concatenate([self._f, f], axis=1)
-        self._k = np.concatenate([self._k, k])
-        self._seeds = np.concatenate([self._seeds, i[0]])
-        self._steps = np.concatenate([self._steps, i[1]])
-        self._computed = np.concatenate([self._computed, computed])
+        self._i = np.concatenate([self._i, i], axis=1)
+
+    @staticmethod
+    def _read_rows(reqs: list, computed) -> tuple[np.ndarray, np.ndarray]:
+        """The kept arrays' columns for reqs, read from the requests; computed: their token counts, read with them."""
+        f, i = request_columns(reqs)
+        i[_STEP_LESS_COUNT] -= computed
+        return f, i
+
+    def _batch_flags(self) -> dict:
+        return flags_of_bits(int(np.bitwise_or.reduce(self._i[_BITS])), int(self._i[_CUTOFF].max(initial=0)),
+                             _NO_LOGPROBS)

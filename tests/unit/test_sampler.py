@@ -202,6 +202,43 @@ def test_preallocated_buffers_keep_addresses_and_pad_greedy_rows():
     assert torch.equal(Sampler()(logits, second).token_ids[:2], Sampler()(logits[:2], fresh).token_ids)
 
 
+def test_request_columns_equal_the_host_rows_and_their_bits_the_flags():
+    """The few-row read of request settings (a steady batch's joiners) writes what fill_request_rows writes, and
+    its per-row flag bits give row_flags' flags for every subset of rows: float32 edges (a temperature that is 0 in
+    float32, a top_p that rounds to 1), top_k past int32, seeds past int63, greedy rows with sampling settings."""
+    import itertools
+    import random
+
+    from backend.executor.sampler import fill_request_rows, flags_of_bits, request_columns, row_flags
+    from backend.request import Request
+
+    settings = [dict(temperature=0.0), dict(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2),
+                dict(temperature=1e-46), dict(temperature=0.7, top_p=1 - 1e-9), dict(temperature=0.7, top_p=0.95),
+                dict(temperature=1.0, top_k=2**40), dict(temperature=0.8, top_k=50, min_p=0.05),
+                dict(temperature=0.0, repetition_penalty=1.2), dict(temperature=0.9, presence_penalty=-0.5),
+                dict(temperature=0.5, frequency_penalty=1e-9), dict(temperature=0.6, top_k=-1, top_p=0.3)]
+    seeds = [0, 7, 2**63 + 5, 2**64 - 1, 2**70 + 3, 12345]
+    rng = random.Random(5)
+    reqs = []
+    for i, kw in enumerate(settings):
+        req = Request(f"r{i}", [3] * 5, SamplingParams(max_tokens=20, **kw), seed=seeds[i % len(seeds)],
+                      eos_token_ids=frozenset())
+        req.num_tokens += rng.randrange(1, 9)  # outputs so far: the step index
+        reqs.append(req)
+    for m in (1, 2, 3):
+        for rows in itertools.combinations(reqs, m) if m < 3 else [reqs, reqs[::2], reqs[1::3]]:
+            rows = list(rows)
+            f, i, k = np.zeros((6, len(rows)), np.float32), np.zeros((2, len(rows)), np.int64), \
+                np.zeros(len(rows), np.int32)
+            want_flags = fill_request_rows(rows, f, i, k)
+            got_f, got_i = request_columns(rows)
+            np.testing.assert_array_equal(got_f, f)
+            np.testing.assert_array_equal(got_i[:2], i)
+            np.testing.assert_array_equal(got_i[2], k)
+            assert flags_of_bits(int(np.bitwise_or.reduce(got_i[4])), int(got_i[3].max()), -1) == want_flags
+            assert row_flags(f, k, -1) == want_flags
+
+
 def test_bad_input_raises_value_error():
     with pytest.raises(ValueError):
         SamplingTensors.from_params([SamplingParams()], [1, 2], [0], "cpu")

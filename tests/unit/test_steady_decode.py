@@ -126,9 +126,9 @@ def _run_sampled(path, async_pipeline, steady, monkeypatch):
     from backend.executor import packer, steady_sampling
 
     calls = []
-    for module in (packer, steady_sampling):
-        real = module.fill_request_rows
-        monkeypatch.setattr(module, "fill_request_rows", lambda *a, _real=real: calls.append(len(a[0])) or _real(*a))
+    for module, name in ((packer, "fill_request_rows"), (steady_sampling, "request_columns")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real: calls.append(len(a[0])) or _real(*a))
     prompts = random_prompts([7, 12, 5, 16, 9, 4, 11, 8], seed=63)
     settings = [dict(temperature=0.8, top_k=20), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, min_p=0.1),
                 dict(temperature=1.2, top_k=5, top_p=0.8), dict(temperature=0.0), dict(temperature=0.9),
@@ -266,13 +266,13 @@ def test_steady_sampling_rows_follow_rows_leaving_and_joining():
     sb._append([request(6), request(7)], np.array([0, 1]))
     sb._delete(np.array([0]))
     reads = []
-    real = steady_sampling.fill_request_rows
-    steady_sampling.fill_request_rows = lambda *a: reads.append(len(a[0])) or real(*a)
+    real = steady_sampling.request_columns
+    steady_sampling.request_columns = lambda *a: reads.append(len(a[0])) or real(*a)
     try:
         got = arrays(len(sb))
         flags = kept.fill(sb, *got)
     finally:
-        steady_sampling.fill_request_rows = real
+        steady_sampling.request_columns = real
     assert reads == [2]  # the two joiners only
     want = arrays(len(sb))
     want_flags = sampler.fill_host_rows([r.params for r in sb.requests], [r.seed for r in sb.requests],
