@@ -95,11 +95,13 @@ class BlockManager:
         """Return req's blocks; safe to call once per allocation (the flag guards double frees)."""
         if req.blocks_freed:
             return
+        ref_counts, free_blocks = self.ref_counts, self.free_blocks  # a request holds up to hundreds of blocks
         # tail blocks first, so a shared prefix stays cached longest
         for block in reversed(req.block_ids):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
+            count = ref_counts[block] - 1
+            ref_counts[block] = count
+            if not count:
+                free_blocks[block] = None
         req.block_ids = []
         req.block_hashes = []
         req.blocks_freed = True

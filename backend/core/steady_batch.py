@@ -38,7 +38,7 @@ class PackedRows:
         risky = self.computed + 3 >= self.token_cap
         if not self.stop_ids.isdisjoint(tokens):
             risky |= np.isin(np.asarray(tokens), np.fromiter(self.stop_ids, dtype=np.int64))
-        return np.flatnonzero(risky)
+        return risky.nonzero()[0]
 
 
 class SteadyBatch:
@@ -60,7 +60,9 @@ class SteadyBatch:
         self.table_store = np.zeros((max(2 * len(self.requests), 16), max_blocks), dtype=np.int32)
         self._free_store_rows = list(range(len(self.table_store) - 1, -1, -1))  # a stack, the lowest row on top
         # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
-        self._set_arrays(*self._columns(self.requests, range(len(self.requests))))
+        self._set_arrays(self._columns(self.requests, range(len(self.requests))))
+        # per row, whether its caller streams: it gets a (request_id, token) event every step
+        self.streamed = [not r.final_only for r in self.requests]
         # any row's stop token: a step that samples one goes to the general update, which checks each row
         self.stop_ids = frozenset().union(*(r.stop_ids for r in self.requests))
         self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
@@ -76,22 +78,19 @@ class SteadyBatch:
         self.joiner_rows: dict[int, int] = {}
         self.packed_rows: dict[int, PackedRows] = {}  # by version: the rows of the steps packed lately
 
-    def _columns(self, reqs: list[Request], src_rows) -> tuple[np.ndarray, np.ndarray]:
-        """The per-row values for reqs, read from the requests themselves: (len(_INTS), rows) ints, and streamed."""
+    def _columns(self, reqs: list[Request], src_rows) -> np.ndarray:
+        """The per-row values for reqs, read from the requests themselves: (len(_INTS), rows) ints."""
         cap = self.max_model_len
         # computed: tokens whose KV is written or queued (== request.num_computed_tokens while this batch is
         # current); token_cap: a row may take a steady step only while its token count stays below it (max_tokens,
         # max_model_len); hashed_blocks: full blocks already hashed for prefix caching; src_rows: its row in the
         # step packed last (carry-over reads that step's sampled token from there)
-        ints = np.array([[r.num_computed_tokens for r in reqs],
+        return np.array([[r.num_computed_tokens for r in reqs],
                          [min(cap, r.num_prompt_tokens + r.params.max_tokens) for r in reqs],
                          [len(r.block_ids) for r in reqs],
                          self._store_tables(reqs),
                          [len(r.block_hashes) for r in reqs],
                          list(src_rows)], dtype=np.int64).reshape(len(self._INTS), len(reqs))
-        # rows whose caller streams: they get a (request_id, token) event every step
-        streamed = np.array([not r.final_only for r in reqs], dtype=bool)
-        return ints, streamed
 
     def _store_tables(self, reqs: list[Request]) -> np.ndarray:
         """Write reqs' blocks into free rows of the table store (it doubles when too few are free); their rows."""
@@ -115,14 +114,20 @@ class SteadyBatch:
         stale)."""
         return self.table_store[self.table_rows]
 
-    def _set_arrays(self, ints: np.ndarray, streamed: np.ndarray) -> None:
-        self._ints, self.streamed = ints, streamed
+    def _set_arrays(self, ints: np.ndarray) -> None:
+        self._ints = ints
         (self.computed, self.token_cap, self.num_blocks, self.table_rows, self.hashed_blocks,
          self.src_rows) = ints
 
     def _index_rows(self) -> None:
-        self.streamed_rows = np.flatnonzero(self.streamed).tolist()
-        self.streamed_ids = list(compress(self.request_ids, self.streamed.tolist()))
+        streamed = self.streamed
+        if not any(streamed):  # callers that take only the final output (generate(), benchmarks)
+            self.streamed_rows, self.streamed_ids = [], []
+        elif all(streamed):
+            self.streamed_rows, self.streamed_ids = list(range(len(streamed))), list(self.request_ids)
+        else:
+            self.streamed_rows = list(compress(range(len(streamed)), streamed))
+            self.streamed_ids = list(compress(self.request_ids, streamed))
         self.rows = np.arange(len(self.requests))
 
     def __len__(self) -> int:
@@ -139,19 +144,18 @@ class SteadyBatch:
     def retire_rows_at_length_limit(self) -> None:
         """Rows whose next step would reach max_tokens or max_model_len feed nothing more: their last token is
         still on the device, and its update finishes them. They leave the run now."""
-        rows = np.flatnonzero(self.computed + 1 >= self.token_cap)
+        rows = (self.computed + 1 >= self.token_cap).nonzero()[0]
         if rows.size:
             self._delete(rows)
 
     def _delete(self, rows: np.ndarray) -> None:
-        n = len(self.requests)
-        keep = np.ones(n, dtype=bool)
+        """Delete these rows (distinct)."""
+        keep = np.ones(len(self.requests), dtype=bool)
         keep[rows] = False
         self._free_store_rows.extend(self.table_rows[rows].tolist())
-        kept = keep.tolist()
-        self.requests = list(compress(self.requests, kept))
-        self.request_ids = list(compress(self.request_ids, kept))
-        self._set_arrays(self._ints[:, keep], self.streamed[keep])
+        for row in sorted(rows.tolist(), reverse=True):  # a few rows: each del moves the rows after it, in C
+            del self.requests[row], self.request_ids[row], self.streamed[row]
+        self._set_arrays(self._ints[:, keep])
         self._index_rows()
         self._changed(("keep", keep))
 
@@ -183,8 +187,8 @@ class SteadyBatch:
     def _append(self, reqs: list[Request], src_rows: np.ndarray) -> None:
         self.requests.extend(reqs)
         self.request_ids.extend(r.request_id for r in reqs)
-        ints, streamed = self._columns(reqs, src_rows.tolist())
-        self._set_arrays(np.concatenate([self._ints, ints], axis=1), np.concatenate([self.streamed, streamed]))
+        self.streamed.extend(not r.final_only for r in reqs)
+        self._set_arrays(np.concatenate([self._ints, self._columns(reqs, src_rows.tolist())], axis=1))
         self.stop_ids = self.stop_ids.union(*(r.stop_ids for r in reqs))
         self.all_plain_greedy = self.all_plain_greedy and all(r.plain_greedy for r in reqs)
         self.any_edits_logits = self.any_edits_logits or any(r.edits_logits for r in reqs)
@@ -203,21 +207,25 @@ class SteadyBatch:
             return None
         return [self.changes[v] for v in range(version + 1, self.version + 1)]
 
-    def rows_gone_since(self, version: int, n: int) -> np.ndarray | None:
-        """Of the n rows the batch had at `version`, which are no longer rows now (bool mask), from the recorded
+    def rows_gone_since(self, version: int, n: int) -> list[int] | None:
+        """Of the n rows the batch had at `version`, those that are no longer rows now (ascending), from the recorded
         changes; None when a change since then is no longer recorded."""
         changes = self.changes_since(version)
         if changes is None:
             return None
-        # those rows stay the batch's first rows, in order (appended rows go after them): survivors is which of
-        # them the leading rows are now, and each kept mask's leading entries are about them
-        survivors = np.arange(n)
-        for kind, change in changes:
-            if kind == "keep":
-                survivors = survivors[change[:len(survivors)]]
+        # those rows stay the batch's first rows, in order (appended rows go after them), so each kept mask's
+        # leading entries are about the ones still there
+        keeps = [change for kind, change in changes if kind == "keep"]
+        if not keeps:
+            return []
+        if len(keeps) == 1:  # the common case: one delete since the step was packed
+            return (~keeps[0][:n]).nonzero()[0].tolist()
+        survivors = np.arange(n)  # which of the n rows the leading rows are now
+        for keep in keeps:
+            survivors = survivors[keep[:len(survivors)]]
         gone = np.ones(n, dtype=bool)
         gone[survivors] = False
-        return gone
+        return gone.nonzero()[0].tolist()
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -226,7 +234,7 @@ class SteadyBatch:
 
     def rows_needing_block(self) -> np.ndarray:
         """Rows whose next token starts a KV block they do not hold yet."""
-        return np.flatnonzero(self.computed >= self.num_blocks * self.block_size)
+        return (self.computed >= self.num_blocks * self.block_size).nonzero()[0]
 
     def add_block(self, row: int, block: int) -> None:
         self.table_store[self.table_rows[row], self.num_blocks[row]] = block
@@ -252,30 +260,24 @@ class SteadyBatch:
         risky = self.computed + 2 >= self.token_cap  # (rows,)
         if not self.stop_ids.isdisjoint(tokens):
             risky |= np.isin(np.asarray(tokens), np.fromiter(self.stop_ids, dtype=np.int64))
-        return np.flatnonzero(risky)
+        return risky.nonzero()[0]
 
-    def accept(self, tokens: list[int], keep: np.ndarray | None = None) -> None:
+    def accept(self, tokens: list[int], keep: list[bool] | None = None) -> None:
         """Every row's pending token (with keep: the rows it marks) arrived and ends no request."""
-        if keep is None:
-            for req, tok in zip(self.requests, tokens):
-                req.num_pending -= 1
-                req.output_token_ids.append(tok)
-            return
-        for req, tok, kept in zip(self.requests, tokens, keep.tolist()):
-            if kept:
-                req.num_pending -= 1
-                req.output_token_ids.append(tok)
+        pairs = zip(self.requests, tokens) if keep is None else compress(zip(self.requests, tokens), keep)
+        for req, tok in pairs:
+            req.num_pending -= 1
+            req.output_token_ids.append(tok)
 
     def rows_to_hash(self) -> np.ndarray:
         """Rows that may have filled a KV block since it was last hashed (prefix caching checks them)."""
-        return np.flatnonzero(self.computed >= (self.hashed_blocks + 1) * self.block_size)
+        return (self.computed >= (self.hashed_blocks + 1) * self.block_size).nonzero()[0]
 
-    def events(self, tokens: list[int], keep: np.ndarray | None = None) -> list[tuple[str, int]]:
+    def events(self, tokens: list[int], keep: list[bool] | None = None) -> list[tuple[str, int]]:
         """(request_id, token) for each streamed row (with keep: of the rows it marks), made into outputs by the
         output thread."""
         if keep is None:
             if len(self.streamed_rows) == len(self.requests):
                 return list(zip(self.request_ids, tokens))
             return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows)]
-        kept = keep.tolist()
-        return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows) if kept[i]]
+        return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows) if keep[i]]

@@ -6,8 +6,6 @@ import time
 from itertools import compress
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
-
 from backend.core.kv_cache import BlockManager
 from backend.core.scheduler import Scheduler
 from backend.core.steady_batch import PackedRows
@@ -96,25 +94,29 @@ class StepUpdater:
         in order."""
         sb = st.batch.steady
         tokens = result.token_ids[:len(sb)]
-        risky = sb.rows_that_may_end(tokens)
+        risky = sb.rows_that_may_end(tokens).tolist()
         if len(risky) > len(sb) // 4:
             return None
         keep = None
-        if len(risky):
-            keep = np.ones(len(sb), dtype=bool)
-            keep[risky] = False
+        if risky:
+            keep = [True] * len(sb)
+            for row in risky:
+                keep[row] = False
         sb.accept(tokens, keep)
         bm = self.block_manager
         if bm.enable_prefix_caching:
-            bs = bm.block_size
-            for row in sb.rows_to_hash().tolist():  # blocks that just filled up, for later prefix hits
-                if keep is None or keep[row]:  # a risky row's token is not appended yet: hashed after its update
-                    req = sb.requests[row]
-                    # the packed-rows update hashes blocks without counting them here: then only the count moves
-                    if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs:
-                        bm.register_full_blocks(req, req.num_computed_tokens)
-                    sb.hashed_blocks[row] = len(req.block_hashes)
-        return sb.events(tokens, keep), risky.tolist()
+            bs, requests = bm.block_size, sb.requests
+            # blocks that just filled up, for later prefix hits; a risky row's token is not appended yet: it is
+            # hashed after its update
+            rows = [row for row in sb.rows_to_hash().tolist() if keep is None or keep[row]]
+            for row in rows:
+                req = requests[row]
+                # the packed-rows update hashes blocks without counting them here: then only the count moves
+                if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs:
+                    bm.register_full_blocks(req, req.num_computed_tokens)
+            if rows:
+                sb.hashed_blocks[rows] = [len(requests[row].block_hashes) for row in rows]
+        return sb.events(tokens, keep), risky
 
     def _update_packed_rows(self, st: StepState, result: StepResult, packed: PackedRows | None
                             ) -> tuple[list[tuple[str, int]], list[int]] | None:
@@ -125,29 +127,29 @@ class StepUpdater:
             return None
         n = len(packed.computed)
         tokens, requests = result.token_ids[:n], result.requests[:n]
-        risky = packed.rows_that_may_end(tokens)
+        risky = packed.rows_that_may_end(tokens).tolist()
         if len(risky) > n // 4:
             return None
-        keep = np.ones(n, dtype=bool)
-        keep[risky] = False
+        kept = [True] * n
+        for i in risky:
+            kept[i] = False
         # only a request that left the rows since the step was packed may have finished meanwhile
         gone = st.batch.steady.rows_gone_since(st.steady_version, n)
-        for i in np.flatnonzero(keep & gone if gone is not None else keep).tolist():
+        for i in range(n) if gone is None else gone:
             req = requests[i]
-            if req.is_finished:  # finished while this step was queued: its token is dropped, and no event
+            if kept[i] and req.is_finished:  # finished while this step was queued: its token is dropped, no event
                 req.drop_pending()
-                keep[i] = False
-        kept = keep.tolist()
+                kept[i] = False
         for req, tok in compress(zip(requests, tokens), kept):
             req.num_pending -= 1
             req.output_token_ids.append(tok)
         bm = self.block_manager
         if bm.enable_prefix_caching:
-            for row in np.flatnonzero(packed.computed % bm.block_size == 0).tolist():
+            for row in (packed.computed % bm.block_size == 0).nonzero()[0].tolist():
                 if kept[row]:
                     bm.register_full_blocks(requests[row], requests[row].num_computed_tokens)
         events = [(rid, tokens[i]) for rid, i in zip(packed.streamed_ids, packed.streamed_rows) if kept[i]]
-        return events, risky.tolist()
+        return events, risky
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

@@ -188,6 +188,16 @@ def request_columns(reqs) -> tuple[np.ndarray, np.ndarray]:
     return floats.T, np.array(ints, dtype=np.int64).reshape(5, len(reqs))
 
 
+def fill_few_request_rows(reqs, host_f, host_i, host_k) -> dict:
+    """fill_request_rows for a few requests (a steady run's joiners), read by request_columns."""
+    f, ints = request_columns(reqs)
+    host_f[:] = f
+    host_i[:] = ints[:2]
+    host_k[:] = ints[2]
+    asked = [k for k in (r.params.logprobs for r in reqs) if k is not None]
+    return flags_of_bits(int(np.bitwise_or.reduce(ints[4])), int(ints[3].max()), max(asked) if asked else -1)
+
+
 def row_flags(host_f, host_k, num_logprobs: int) -> dict:
     """The host flags of rows whose settings are in host_f (6, n) and host_k (n,); num_logprobs: the most any row
     asks for, -1 for none."""

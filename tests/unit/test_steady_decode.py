@@ -126,7 +126,8 @@ def _run_sampled(path, async_pipeline, steady, monkeypatch):
     from backend.executor import packer, steady_sampling
 
     calls = []
-    for module, name in ((packer, "fill_request_rows"), (steady_sampling, "request_columns")):
+    for module, name in ((packer, "fill_request_rows"), (packer, "fill_few_request_rows"),
+                         (steady_sampling, "request_columns")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real: calls.append(len(a[0])) or _real(*a))
     prompts = random_prompts([7, 12, 5, 16, 9, 4, 11, 8], seed=63)
@@ -297,13 +298,14 @@ def test_rows_gone_since_follows_deletes_and_appends():
         return req
 
     sb = SteadyBatch([request(i) for i in range(6)], block_size=16, max_model_len=256, max_blocks=8)
-    assert not sb.rows_gone_since(0, 6).any()
+    assert sb.rows_gone_since(0, 6) == []
     sb._delete(np.array([1, 4]))  # rows r0 r2 r3 r5
     sb._append([request(6)], np.array([0]))  # r0 r2 r3 r5 r6
+    assert sb.rows_gone_since(0, 6) == [1, 4] and sb.rows_gone_since(1, 4) == []
     sb._delete(np.array([0, 3]))  # r2 r3 r6
-    assert sb.rows_gone_since(0, 6).tolist() == [True, True, False, False, True, True]
-    assert sb.rows_gone_since(1, 4).tolist() == [True, False, False, True]
-    assert sb.rows_gone_since(2, 5).tolist() == [True, False, False, True, False]
+    assert sb.rows_gone_since(0, 6) == [0, 1, 4, 5]
+    assert sb.rows_gone_since(1, 4) == [0, 3]
+    assert sb.rows_gone_since(2, 5) == [0, 3]
     for _ in range(8):  # more changes than are kept
         sb._append([request(7)], np.array([0]))
     assert sb.rows_gone_since(0, 6) is None
