@@ -249,10 +249,13 @@ class Engine:
     def _step(self) -> bool:
         """Schedule, pack and launch the next step, and complete the one before; False when there was nothing."""
         tl = self.timeline
-        with tl.cpu_span("schedule"):
-            batch = self.scheduler.schedule()
+        started = tl.now()
+        batch = self.scheduler.schedule()
         cur = None
         if batch is not None:
+            # an idle poll (every half second while nothing runs) is no step: its span would stretch the window the
+            # timeline's busy figures divide by, over all the idle time since the last step
+            tl.cpu_span_since("schedule", started)
             self._fault_clock += 1
             if self._fault_every and self._fault_clock % self._fault_every == 0:
                 raise RuntimeError(f"injected fault at step {self._fault_clock} (test hook)")

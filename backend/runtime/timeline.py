@@ -165,6 +165,12 @@ class Timeline:
         not a generator context: the loop opens five a step."""
         return _CpuSpan(self, name) if self.enabled else _NO_SPAN
 
+    def cpu_span_since(self, name: str, start: float) -> None:
+        """Record the CPU span `name` from start (an earlier now()) to now, for work that proves worth a span only
+        once it has run."""
+        if self.enabled:
+            self.spans.append(Span("cpu", name, start, self.now(), self._step))
+
     def next_step(self) -> None:
         self._step += 1
         if self._pending_gpu:

@@ -280,3 +280,25 @@ def test_the_anchor_is_placed_again_until_the_clock_reads_bracket_it_closely():
     assert origin == 10.001 and len(placed) == 3
     reads = iter([0.0, 1.0, 2.0, 3.0])  # never close: the last try stands
     assert anchored_origin(lambda: None, lambda: next(reads), bracket_s=0.002, tries=2) == 3.0
+
+
+def test_idle_polls_of_the_loop_record_no_spans(tmp_path):
+    """While nothing runs the loop polls its inbox every half second; those polls are not steps, so the timeline's
+    window (and the busy figures over it) ends with the last step, however long the engine then sits idle."""
+    import time
+
+    from backend import Engine, EngineConfig, SamplingParams
+    from tests.tiny_models import build_tiny, random_prompts
+
+    engine = Engine(EngineConfig(model=build_tiny("llama", str(tmp_path)), device="cpu", num_kv_blocks=96,
+                                 block_size=4, max_num_seqs=4, max_num_batched_tokens=24, timeline=True))
+    try:
+        engine.generate(random_prompts([5, 7], seed=3), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        last_end = max(s.end for s in engine.timeline.spans)
+        time.sleep(1.3)  # two idle polls or more
+        spans = list(engine.timeline.spans)
+    finally:
+        engine.shutdown()
+    names = [s.name for s in spans]
+    assert names.count("schedule") == names.count("pack") > 0
+    assert max(s.end for s in spans) == last_end
