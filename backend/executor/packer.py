@@ -9,12 +9,10 @@ import numpy as np
 from backend.core.kv_cache import NULL_BLOCK
 from backend.core.scheduler import ScheduledBatch
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
-from backend.executor.sampler import SamplingTensors, fill_few_request_rows, fill_padding_rows, fill_request_rows, \
-    pad_token_table, tensors_from_rows
+from backend.executor.sampler import SamplingTensors, fill_padding_rows, fill_request_rows, pad_token_table, \
+    tensors_from_rows
 from backend.executor.steady_sampling import SteadySamplingRows, merge_flags
 from backend.request import Request
-
-_FEW_ROWS = 16  # joiners' sampling rows read by per-row Python (sampler.request_columns) up to this many
 
 
 @dataclass(slots=True)
@@ -228,9 +226,7 @@ class SlotPacker:
         first = st.batch.num_steady_rows if sb is not None and st.steady_version == sb.version else 0
         flags = self._steady_sampling.fill(sb, host_f[:, :first], host_i[:, :first], host_k[:first]) if first else None
         if n > first:  # joiners of a steady run, or every row of a general step
-            # a few joiners read row by row: numpy's per-call cost outweighs its per-row gain there
-            fill = fill_few_request_rows if first and n - first <= _FEW_ROWS else fill_request_rows
-            more = fill(reqs[first:], host_f[:, first:n], host_i[:, first:n], host_k[first:n])
+            more = fill_request_rows(reqs[first:], host_f[:, first:n], host_i[:, first:n], host_k[first:n])
             flags = more if flags is None else merge_flags(flags, more)
         if rows > n:
             fill_padding_rows(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])

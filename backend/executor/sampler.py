@@ -143,81 +143,90 @@ def fill_host_rows(params, seeds, step_indices, host_f, host_i, host_k) -> dict:
                          f"{len(step_indices)} step indices")
     if n == 0:
         raise ValueError("a sampling batch needs at least one row")
-    # C-level iteration over the params: ~0.2 us per row, no per-row numpy calls
-    flat = itertools.chain.from_iterable(map(_FLOAT_GETTER, params))
-    host_f[:] = np.fromiter(flat, dtype=np.float32, count=_NUM_FLOAT_FIELDS * n).reshape(n, -1).T
-    top_k = np.fromiter(map(_TOP_K_GETTER, params), dtype=np.int64, count=n)
-    host_k[:] = np.minimum(top_k, _MAX_INT32)
+    host_f[:], host_k[:] = _param_columns(params)
     host_i[0] = _seeds_array(seeds)
     host_i[1] = np.asarray(step_indices, dtype=np.int64)
+    return row_flags(host_f, host_k, _most_logprobs(params))
+
+
+def _param_columns(params) -> tuple[np.ndarray, np.ndarray]:
+    """The float settings (6, n) float32 and top_k (n,) capped to int32 of params, by C-level iteration over them
+    (~0.2 us per row, no per-row numpy calls)."""
+    n = len(params)
+    flat = itertools.chain.from_iterable(map(_FLOAT_GETTER, params))
+    floats = np.fromiter(flat, dtype=np.float32, count=_NUM_FLOAT_FIELDS * n).reshape(n, -1).T
+    top_k = np.minimum(np.fromiter(map(_TOP_K_GETTER, params), dtype=np.int64, count=n), _MAX_INT32)
+    return floats, top_k
+
+
+def _most_logprobs(params) -> int:
+    """The most logprobs any of params asks for; -1 when none asks."""
     asked = [k for k in map(_LOGPROBS_GETTER, params) if k is not None]
-    return row_flags(host_f, host_k, max(asked) if asked else -1)
+    return max(asked) if asked else -1
 
 
 def fill_request_rows(reqs, host_f, host_i, host_k) -> dict:
     """fill_host_rows for requests: each one's settings, seed and step index (its outputs before the token this step
     samples)."""
-    return fill_host_rows([r.params for r in reqs], [r.seed for r in reqs], [r.num_output_tokens - 1 for r in reqs],
-                          host_f, host_i, host_k)
-
-
-# a row's flag bits (request_columns): the host flags of a batch (row_flags) are the OR of its rows' bits
-_SAMPLED, _TOP_K_ON, _TOP_P_ON, _MIN_P_ON, _PENALTY = 1, 2, 4, 8, 16
-
-
-def request_columns(reqs) -> tuple[np.ndarray, np.ndarray]:
-    """fill_request_rows' settings of reqs and each row's flag bits, read with per-row Python and two numpy calls
-    (numpy's per-call cost dominates for the few rows that join a steady batch): (6, m) float32 as host_f, and
-    (5, m) int64 rows: seed (its low 64 bits), step index, top_k (capped to int32), the top-k cutoff in force
-    (0: none) and the flag bits (row_flags' tests, row by row)."""
-    floats = np.array([_FLOAT_GETTER(r.params) for r in reqs], dtype=np.float32)  # (m, 6)
-    ints = [[], [], [], [], []]
-    seeds, steps, top_ks, cutoffs, bits = ints
-    for req, (temperature, top_p, min_p, rep, pres, freq) in zip(reqs, floats.tolist()):  # float32 values
-        seed = req.seed & _MASK64
-        seeds.append(seed - (1 << 64) if seed >> 63 else seed)  # as _seeds_array's int64 view
-        steps.append(req.num_output_tokens - 1)
-        k = min(req.params.top_k, _MAX_INT32)
-        top_ks.append(k)
-        sampled = temperature > 0  # greedy rows ignore top-k/top-p/min-p
-        top_k_on = sampled and k > 0
-        cutoffs.append(k if top_k_on else 0)
-        bits.append((_SAMPLED if sampled else 0) | (_TOP_K_ON if top_k_on else 0)
-                    | (_TOP_P_ON if sampled and top_p < 1 else 0) | (_MIN_P_ON if sampled and min_p > 0 else 0)
-                    | (_PENALTY if rep != 1 or pres != 0 or freq != 0 else 0))
-    return floats.T, np.array(ints, dtype=np.int64).reshape(5, len(reqs))
-
-
-def fill_few_request_rows(reqs, host_f, host_i, host_k) -> dict:
-    """fill_request_rows for a few requests (a steady run's joiners), read by request_columns."""
     f, ints = request_columns(reqs)
     host_f[:] = f
     host_i[:] = ints[:2]
     host_k[:] = ints[2]
-    asked = [k for k in (r.params.logprobs for r in reqs) if k is not None]
-    return flags_of_bits(int(np.bitwise_or.reduce(ints[4])), int(ints[3].max()), max(asked) if asked else -1)
+    return flags_of_rows(ints[4], ints[3], _most_logprobs([r.params for r in reqs]))
+
+
+# a row's flag bits (row_bits): the host flags of a batch (row_flags) come from the OR of its rows' bits
+_SAMPLED, _TOP_K_ON, _TOP_P_ON, _MIN_P_ON, _PENALTY = 1, 2, 4, 8, 16
+_FEW_ROWS = 16  # request_columns reads up to this many rows with per-row Python: numpy's per-call cost dominates there
+
+
+def request_columns(reqs) -> tuple[np.ndarray, np.ndarray]:
+    """fill_request_rows' settings of reqs and each row's flag bits: (6, m) float32 as host_f, and (5, m) int64 rows:
+    seed (its low 64 bits), step index, top_k (capped to int32), the top-k cutoff in force (0: none) and the flag
+    bits (row_bits). A few rows (a steady run's joiners) are read row by row, more with a few numpy calls."""
+    if len(reqs) > _FEW_ROWS:
+        floats, top_k = _param_columns([r.params for r in reqs])
+        steps = np.fromiter((r.num_tokens - r.num_prompt_tokens - 1 for r in reqs), dtype=np.int64, count=len(reqs))
+        bits, cutoffs = row_bits(*floats, top_k)
+        return floats, np.stack([_seeds_array([r.seed for r in reqs]), steps, top_k, cutoffs, bits])
+    floats = np.array([_FLOAT_GETTER(r.params) for r in reqs], dtype=np.float32)  # (m, 6)
+    ints = [[], [], [], [], []]
+    seeds, steps, top_ks, cutoffs, bits = ints
+    for req, row in zip(reqs, floats.tolist()):  # the float32 values, as the vectorised rules compare them
+        seed = req.seed & _MASK64
+        seeds.append(seed - (1 << 64) if seed >> 63 else seed)  # as _seeds_array's int64 view
+        steps.append(req.num_tokens - req.num_prompt_tokens - 1)
+        k = min(req.params.top_k, _MAX_INT32)
+        top_ks.append(k)
+        b, cutoff = row_bits(*row, k)
+        bits.append(b)
+        cutoffs.append(cutoff)
+    return floats.T, np.array(ints, dtype=np.int64).reshape(5, len(reqs))
+
+
+def row_bits(temperature, top_p, min_p, rep, pres, freq, top_k):
+    """A row's flag bits and its top-k cutoff in force (0: none), from its settings as Python numbers; or every
+    row's, from (n,) arrays of them. The one place the rules live: greedy rows ignore top-k/top-p/min-p."""
+    sampled = temperature > 0
+    top_k_on = sampled & (top_k > 0)
+    bits = (sampled * _SAMPLED) | (top_k_on * _TOP_K_ON) | ((sampled & (top_p < 1)) * _TOP_P_ON) \
+        | ((sampled & (min_p > 0)) * _MIN_P_ON) | (((rep != 1) | (pres != 0) | (freq != 0)) * _PENALTY)
+    return bits, top_k_on * top_k
 
 
 def row_flags(host_f, host_k, num_logprobs: int) -> dict:
     """The host flags of rows whose settings are in host_f (6, n) and host_k (n,); num_logprobs: the most any row
     asks for, -1 for none."""
-    temperature, top_p, min_p, rep, pres, freq = host_f
-    sampled = temperature > 0  # greedy rows ignore top-k/top-p/min-p
-    top_k_on = sampled & (host_k > 0)
-    return dict(
-        all_greedy=not sampled.any(),
-        any_top_k=bool(top_k_on.any()),
-        max_top_k=int(host_k[top_k_on].max()) if top_k_on.any() else 0,
-        any_top_p=bool((sampled & (top_p < 1)).any()),
-        any_min_p=bool((sampled & (min_p > 0)).any()),
-        any_penalty=bool(((rep != 1) | (pres != 0) | (freq != 0)).any()),
-        num_logprobs=num_logprobs,
-    )
+    return flags_of_rows(*row_bits(*host_f, host_k), num_logprobs)
+
+
+def flags_of_rows(bits: np.ndarray, cutoffs: np.ndarray, num_logprobs: int) -> dict:
+    """The host flags of rows with these flag bits and top-k cutoffs (row_bits)."""
+    return flags_of_bits(int(np.bitwise_or.reduce(bits, initial=0)), int(cutoffs.max(initial=0)), num_logprobs)
 
 
 def flags_of_bits(bits: int, max_top_k: int, num_logprobs: int) -> dict:
-    """row_flags' flags of rows whose flag bits (request_columns) OR to bits and whose largest top-k cutoff is
-    max_top_k."""
+    """row_flags' flags of rows whose flag bits (row_bits) OR to bits and whose largest top-k cutoff is max_top_k."""
     return dict(
         all_greedy=not bits & _SAMPLED,
         any_top_k=bool(bits & _TOP_K_ON),

@@ -4,11 +4,13 @@ from __future__ import annotations
 import numpy as np
 
 from backend.core.steady_batch import SteadyBatch
-from backend.executor.sampler import flags_of_bits, request_columns
+from backend.executor.sampler import fill_padding_rows, flags_of_rows, request_columns
 
 _NO_LOGPROBS = -1  # steady rows never ask for logprobs (SteadyBatch.eligible)
 # rows of the kept int matrix (request_columns' rows, the step index less the token count)
 _SEED, _STEP_LESS_COUNT, _TOP_K, _CUTOFF, _BITS = range(5)
+# plain-greedy rows (Request.plain_greedy) all sample alike: the argmax, whatever their seeds or cutoffs
+_PLAIN_GREEDY_FLAGS = flags_of_rows(np.zeros(1, np.int64), np.zeros(1, np.int64), _NO_LOGPROBS)
 
 
 def merge_flags(a: dict, b: dict) -> dict:
@@ -45,6 +47,9 @@ class SteadySamplingRows:
 
     def fill(self, sb: SteadyBatch, host_f: np.ndarray, host_i: np.ndarray, host_k: np.ndarray) -> dict:
         """Write the settings of sb's rows into host arrays (6, n) f32, (2, n) i64, (n,) i32; return their flags."""
+        if sb.all_plain_greedy:  # neutral greedy rows stand for them: nothing to read or follow
+            fill_padding_rows(host_f, host_i, host_k)
+            return dict(_PLAIN_GREEDY_FLAGS)
         if sb is not self._batch or (sb.version != self._version and not self._follow(sb)):
             self._f, self._i = self._read_rows(sb.requests, sb.computed)
             self._batch, self._version = sb, sb.version
@@ -85,5 +90,4 @@ class SteadySamplingRows:
         return f, i
 
     def _batch_flags(self) -> dict:
-        return flags_of_bits(int(np.bitwise_or.reduce(self._i[_BITS])), int(self._i[_CUTOFF].max(initial=0)),
-                             _NO_LOGPROBS)
+        return flags_of_rows(self._i[_BITS], self._i[_CUTOFF], _NO_LOGPROBS)

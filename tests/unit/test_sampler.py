@@ -203,14 +203,14 @@ def test_preallocated_buffers_keep_addresses_and_pad_greedy_rows():
 
 
 def test_request_columns_equal_the_host_rows_and_their_bits_the_flags():
-    """The few-row read of request settings (a steady batch's joiners) writes what fill_request_rows writes, and
-    its per-row flag bits give row_flags' flags (logprobs asked included) for every subset of rows: float32 edges (a temperature that is 0 in
-    float32, a top_p that rounds to 1), top_k past int32, seeds past int63, greedy rows with sampling settings."""
+    """The request read (a steady batch's rows and joiners, a general step's rows) writes what fill_host_rows writes
+    from the same params, seeds and step indices, and its per-row flag bits give row_flags' flags (logprobs asked
+    included) for every subset of rows: float32 edges (a temperature that is 0 in float32, a top_p that rounds to
+    1), top_k past int32, seeds past int63, greedy rows with sampling settings."""
     import itertools
     import random
 
-    from backend.executor.sampler import fill_few_request_rows, fill_request_rows, flags_of_bits, request_columns, \
-        row_flags
+    from backend.executor.sampler import fill_host_rows, fill_request_rows, flags_of_bits, request_columns, row_flags
     from backend.request import Request
 
     settings = [dict(temperature=0.0), dict(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2),
@@ -226,27 +226,30 @@ def test_request_columns_equal_the_host_rows_and_their_bits_the_flags():
                       eos_token_ids=frozenset())
         req.num_tokens += rng.randrange(1, 9)  # outputs so far: the step index
         reqs.append(req)
+
+    def arrays(n):
+        return np.zeros((6, n), np.float32), np.zeros((2, n), np.int64), np.zeros(n, np.int32)
+
     for m in (1, 2, 3):
         for rows in itertools.combinations(reqs, m) if m < 3 else [reqs, reqs[::2], reqs[1::3]]:
             rows = list(rows)
-            f, i, k = np.zeros((6, len(rows)), np.float32), np.zeros((2, len(rows)), np.int64), \
-                np.zeros(len(rows), np.int32)
-            want_flags = fill_request_rows(rows, f, i, k)
+            f, i, k = arrays(len(rows))
+            want_flags = fill_host_rows([r.params for r in rows], [r.seed for r in rows],
+                                        [r.num_output_tokens - 1 for r in rows], f, i, k)
             got_f, got_i = request_columns(rows)
             np.testing.assert_array_equal(got_f, f)
             np.testing.assert_array_equal(got_i[:2], i)
             np.testing.assert_array_equal(got_i[2], k)
             assert flags_of_bits(int(np.bitwise_or.reduce(got_i[4])), int(got_i[3].max()), -1) == want_flags
             assert row_flags(f, k, -1) == want_flags
-            few = np.zeros_like(f), np.zeros_like(i), np.zeros_like(k)
-            assert fill_few_request_rows(rows, *few) == want_flags
-            for g, w in zip(few, (f, i, k)):
+            got = arrays(len(rows))
+            assert fill_request_rows(rows, *got) == want_flags
+            for g, w in zip(got, (f, i, k)):
                 np.testing.assert_array_equal(g, w)
     asks = [Request("a", [3] * 5, SamplingParams(max_tokens=9, temperature=0.5, logprobs=k), seed=1,
                     eos_token_ids=frozenset()) for k in (None, 3, 0)]
-    for rows in (asks[:1], asks, asks[::2]):
-        arrays = np.zeros((6, len(rows)), np.float32), np.zeros((2, len(rows)), np.int64), np.zeros(len(rows), np.int32)
-        assert fill_few_request_rows(rows, *arrays) == fill_request_rows(rows, *arrays)
+    for rows, most in ((asks[:1], -1), (asks, 3), (asks[::2], 0)):
+        assert fill_request_rows(rows, *arrays(len(rows)))["num_logprobs"] == most
 
 
 def test_bad_input_raises_value_error():

@@ -126,8 +126,7 @@ def _run_sampled(path, async_pipeline, steady, monkeypatch):
     from backend.executor import packer, steady_sampling
 
     calls = []
-    for module, name in ((packer, "fill_request_rows"), (packer, "fill_few_request_rows"),
-                         (steady_sampling, "request_columns")):
+    for module, name in ((packer, "fill_request_rows"), (steady_sampling, "request_columns")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real: calls.append(len(a[0])) or _real(*a))
     prompts = random_prompts([7, 12, 5, 16, 9, 4, 11, 8], seed=63)
@@ -282,6 +281,63 @@ def test_steady_sampling_rows_follow_rows_leaving_and_joining():
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     assert flags == want_flags
+
+
+def test_plain_greedy_steady_rows_sample_as_neutral_greedy_rows_without_reading_a_request():
+    """Plain-greedy rows all sample the argmax, whatever their seeds or cutoffs: their host rows are the neutral
+    greedy rows (as padding rows), their flags all-greedy, and no request's settings are read, however the rows
+    changed; the first sampled joiner brings every row's own settings back."""
+    import numpy as np
+
+    from backend.core.steady_batch import SteadyBatch
+    from backend.executor import sampler, steady_sampling
+    from backend.request import Request
+
+    def request(i, **kw):
+        req = Request(f"r{i}", [3] * (4 + i), SamplingParams(max_tokens=50, seed=i, **kw), seed=1000 + i,
+                      eos_token_ids=frozenset({2}))
+        req.num_computed_tokens, req.block_ids = req.num_prompt_tokens + i, [i + 1]
+        req.num_tokens = req.num_prompt_tokens + i + 1
+        return req
+
+    def arrays(n, fill=7):
+        return np.full((6, n), fill, np.float32), np.full((2, n), fill, np.int64), np.full(n, fill, np.int32)
+
+    greedy_kw = [dict(temperature=0.0), dict(temperature=0.0, top_k=5, top_p=0.5, min_p=0.1)]
+    sb = SteadyBatch([request(i, **greedy_kw[i % 2]) for i in range(5)], block_size=16, max_model_len=256,
+                     max_blocks=8)
+    assert sb.all_plain_greedy
+    kept = steady_sampling.SteadySamplingRows()
+    reads = []
+    real = steady_sampling.request_columns
+    steady_sampling.request_columns = lambda *a: reads.append(len(a[0])) or real(*a)
+    try:
+        for change in (None, "delete", "append"):
+            if change == "delete":
+                sb._delete(np.array([1, 3]))
+            elif change == "append":
+                sb._append([request(8, **greedy_kw[1])], np.array([0]))
+            got = arrays(len(sb))
+            flags = kept.fill(sb, *got)
+            want = arrays(len(sb), fill=3)
+            sampler.fill_padding_rows(*want)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+            assert flags == sampler.row_flags(want[0], want[2], -1) and flags["all_greedy"]
+        assert reads == []
+        sb._append([request(9, temperature=0.8, top_k=20)], np.array([1]))
+        assert not sb.all_plain_greedy
+        got = arrays(len(sb))
+        flags = kept.fill(sb, *got)
+    finally:
+        steady_sampling.request_columns = real
+    assert reads == [len(sb)]  # every row's own settings, read once
+    want = arrays(len(sb))
+    want_flags = sampler.fill_host_rows([r.params for r in sb.requests], [r.seed for r in sb.requests],
+                                        [r.num_output_tokens - 1 for r in sb.requests], *want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert flags == want_flags and flags["any_top_k"] and not flags["all_greedy"]
 
 
 def test_rows_gone_since_follows_deletes_and_appends():
