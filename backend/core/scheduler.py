@@ -223,9 +223,11 @@ class Scheduler:
             req.forks = []
 
     def _preempt(self, req: Request) -> None:
-        """Free req's blocks and requeue it first in line; it recomputes its tokens when readmitted."""
+        """Free req's blocks and requeue it first in line; it recomputes its tokens when readmitted, from the cached
+        blocks it still finds (its full blocks are hashed first)."""
         self.running.remove(req)
         self.steady = None
+        self.block_manager.register_full_blocks(req, req.num_computed_tokens)
         self.block_manager.free(req)
         req.blocks_freed = False
         req.num_computed_tokens = 0

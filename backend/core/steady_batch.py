@@ -46,7 +46,7 @@ class SteadyBatch:
 
     # per-row int64 arrays: the rows of one matrix (_ints), so a row change rebuilds one array, not six; each name
     # is a view of its matrix row (in-place updates reach the matrix), rebound whenever the matrix is replaced
-    _INTS = ("computed", "token_cap", "num_blocks", "table_rows", "hashed_blocks", "src_rows")
+    _INTS = ("computed", "token_cap", "num_blocks", "table_rows", "src_rows")
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
         self.block_size = block_size
@@ -83,13 +83,12 @@ class SteadyBatch:
         cap = self.max_model_len
         # computed: tokens whose KV is written or queued (== request.num_computed_tokens while this batch is
         # current); token_cap: a row may take a steady step only while its token count stays below it (max_tokens,
-        # max_model_len); hashed_blocks: full blocks already hashed for prefix caching; src_rows: its row in the
-        # step packed last (carry-over reads that step's sampled token from there)
+        # max_model_len); src_rows: its row in the step packed last (carry-over reads that step's sampled token
+        # from there)
         return np.array([[r.num_computed_tokens for r in reqs],
                          [min(cap, r.num_prompt_tokens + r.params.max_tokens) for r in reqs],
                          [len(r.block_ids) for r in reqs],
                          self._store_tables(reqs),
-                         [len(r.block_hashes) for r in reqs],
                          list(src_rows)], dtype=np.int64).reshape(len(self._INTS), len(reqs))
 
     def _store_tables(self, reqs: list[Request]) -> np.ndarray:
@@ -116,8 +115,7 @@ class SteadyBatch:
 
     def _set_arrays(self, ints: np.ndarray) -> None:
         self._ints = ints
-        (self.computed, self.token_cap, self.num_blocks, self.table_rows, self.hashed_blocks,
-         self.src_rows) = ints
+        self.computed, self.token_cap, self.num_blocks, self.table_rows, self.src_rows = ints
 
     def _index_rows(self) -> None:
         streamed = self.streamed
@@ -268,10 +266,6 @@ class SteadyBatch:
         for req, tok in pairs:
             req.num_pending -= 1
             req.output_token_ids.append(tok)
-
-    def rows_to_hash(self) -> np.ndarray:
-        """Rows that may have filled a KV block since it was last hashed (prefix caching checks them)."""
-        return (self.computed >= (self.hashed_blocks + 1) * self.block_size).nonzero()[0]
 
     def events(self, tokens: list[int], keep: list[bool] | None = None) -> list[tuple[str, int]]:
         """(request_id, token) for each streamed row (with keep: of the rows it marks), made into outputs by the

@@ -1,5 +1,10 @@
 """The per-step update rules: a step's tokens are accepted, stop and length limits end requests, full KV blocks
-are hashed for prefix caching, and finished requests' blocks return (after the step that still writes them)."""
+are hashed for prefix caching, and finished requests' blocks return (after the step that still writes them).
+
+A prompt's full blocks are hashed as its chunks are computed, so requests running beside it share them; a request's
+output blocks once, when it finishes (and when it is preempted, so its recompute finds them): only a later prompt
+can repeat an output, and a caller sends that prompt once it has the output. Hashing them as they fill cost a
+call a step for every sixteenth row."""
 from __future__ import annotations
 
 import time
@@ -42,10 +47,12 @@ class StepUpdater:
         bm = self.block_manager
         if bm.enable_prefix_caching:
             bs = bm.block_size
-            for i in rows:  # hash blocks that just filled up, for later prefix hits
-                req = st.batch.requests[i]
-                if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs and not req.is_finished:
-                    bm.register_full_blocks(req, req.num_computed_tokens)
+            # prompt blocks that just filled up, for prefix hits of requests arriving meanwhile: every request of the
+            # step but the steady rows (they decode), whether or not its chunk sampled
+            for req in st.batch.requests[st.batch.num_steady_rows if sb is not None else 0:]:
+                computed_prompt = min(req.num_computed_tokens, req.num_prompt_tokens)
+                if computed_prompt >= (len(req.block_hashes) + 1) * bs and not req.is_finished:
+                    bm.register_full_blocks(req, computed_prompt)
         for req in st.batch.free_after:
             self.block_manager.free(req)
         return events
@@ -103,26 +110,13 @@ class StepUpdater:
             for row in risky:
                 keep[row] = False
         sb.accept(tokens, keep)
-        bm = self.block_manager
-        if bm.enable_prefix_caching:
-            bs, requests = bm.block_size, sb.requests
-            # blocks that just filled up, for later prefix hits; a risky row's token is not appended yet: it is
-            # hashed after its update
-            rows = [row for row in sb.rows_to_hash().tolist() if keep is None or keep[row]]
-            for row in rows:
-                req = requests[row]
-                # the packed-rows update hashes blocks without counting them here: then only the count moves
-                if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs:
-                    bm.register_full_blocks(req, req.num_computed_tokens)
-            if rows:
-                sb.hashed_blocks[rows] = [len(requests[row].block_hashes) for row in rows]
         return sb.events(tokens, keep), risky
 
     def _update_packed_rows(self, st: StepState, result: StepResult, packed: PackedRows | None
                             ) -> tuple[list[tuple[str, int]], list[int]] | None:
         """_update_steady for a step whose rows changed after it was packed: each row's token appended, or dropped
-        where the request finished meanwhile; the rows it may end returned for the general update. Rows that
-        filled a KV block are hashed here (those whose count reached a block's end); None: the general update."""
+        where the request finished meanwhile; the rows it may end returned for the general update. None: the
+        general update."""
         if packed is None:
             return None
         n = len(packed.computed)
@@ -143,11 +137,6 @@ class StepUpdater:
         for req, tok in compress(zip(requests, tokens), kept):
             req.num_pending -= 1
             req.output_token_ids.append(tok)
-        bm = self.block_manager
-        if bm.enable_prefix_caching:
-            for row in (packed.computed % bm.block_size == 0).nonzero()[0].tolist():
-                if kept[row]:
-                    bm.register_full_blocks(requests[row], requests[row].num_computed_tokens)
         events = [(rid, tokens[i]) for rid, i in zip(packed.streamed_ids, packed.streamed_rows) if kept[i]]
         return events, risky
 
@@ -161,12 +150,14 @@ class StepUpdater:
         return None
 
     def finish(self, req: Request, reason: str, next_state: StepState | None) -> None:
-        """Mark req finished once; its blocks return now, or after the queued step that still writes them."""
+        """Mark req finished once; its full blocks are hashed for later prompts that repeat it, and return now, or
+        after the queued step that still writes them (that step runs before any step of a later request)."""
         if req.is_finished:
             return
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.scheduler.remove(req)
+        self.block_manager.register_full_blocks(req, req.num_computed_tokens)
         if next_state is not None and req.last_step_id == next_state.batch.step_id:
             next_state.batch.free_after.append(req)
         else:

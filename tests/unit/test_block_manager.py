@@ -78,3 +78,40 @@ def test_one_block_each_takes_blocks_as_allocate_slots_would():
     many = [Request(f"m{i}", [1], SamplingParams(max_tokens=8), 0, frozenset()) for i in range(len(free_before) + 1)]
     assert together.append_one_block_each(many) is None
     assert list(together.free_blocks) == free_before and not any(r.block_ids for r in many)
+
+
+def _running(bm: BlockManager, prompt: list[int], outputs: list[int]) -> Request:
+    """A running request whose prompt and outputs so far are computed, but its last output (fed next step)."""
+    req = Request("r", list(prompt), SamplingParams(max_tokens=100), 0, frozenset())
+    req.output_token_ids.extend(outputs)
+    req.num_tokens = len(prompt) + len(outputs)
+    req.num_computed_tokens = req.num_tokens - 1
+    assert bm.allocate_slots(req, 0)
+    return req
+
+
+def test_a_request_hashes_its_output_blocks_when_it_finishes_or_is_preempted():
+    """Output blocks are hashed once the request leaves the running set: when it finishes (a later prompt repeating
+    prompt + output then finds them) and when it is preempted (its recompute finds them); the block whose KV
+    waits for the last output token is not hashed. Before that only the prompt's blocks are (by the step update)."""
+    from backend.core.scheduler import Scheduler
+    from backend.core.step_update import StepUpdater
+    from backend.request import RequestStatus
+
+    bs, prompt, outputs = 4, list(range(100, 110)), list(range(200, 209))  # 10 + 9 tokens, 18 computed: 4 blocks
+    for leave in ("finish", "preempt"):
+        bm = BlockManager(32, bs)
+        scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+        req = _running(bm, prompt, outputs)
+        req.status = RequestStatus.RUNNING
+        scheduler.running.append(req)
+        bm.register_full_blocks(req, req.num_prompt_tokens)  # what the step update hashes: the prompt's 2 blocks
+        assert len(req.block_hashes) == 2
+        if leave == "finish":
+            StepUpdater(scheduler, bm, 64).finish(req, "length", None)
+        else:
+            scheduler._preempt(req)
+            assert scheduler.waiting[0] is req and req.num_computed_tokens == 0
+        follow_up = Request("f", prompt + outputs + [7, 7], SamplingParams(max_tokens=4), 0, frozenset())
+        assert bm.match_prefix(follow_up) == 4 * bs  # 18 tokens had KV: 4 full blocks
+        assert follow_up.block_hashes == chain(prompt + outputs, bs)[:4]

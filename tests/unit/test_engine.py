@@ -171,6 +171,28 @@ def test_prefix_cache_hits_are_counted_and_exact(root, async_pipeline):
 
 
 @pytest.mark.parametrize("async_pipeline", MODES)
+def test_a_running_requests_prompt_blocks_serve_a_request_that_arrives_meanwhile(root, async_pipeline):
+    """A prompt's full blocks are hashed as soon as they are computed: a request sharing its first 33 tokens that
+    arrives while it still decodes reuses them (its outputs' blocks are hashed only when it finishes)."""
+    path = build_tiny("llama", root)
+    system = random_prompts([33], seed=13)[0]
+    first, second = system + random_prompts([6], seed=14)[0], system + random_prompts([3], seed=15)[0]
+    engine = make_engine(path, async_pipeline)
+    try:
+        stream = engine.add_request(first, greedy(250))
+        for out in stream:
+            if len(out.token_ids) >= 5:
+                break
+        late = engine.generate([second], greedy(6))[0]
+        assert engine.stats()["running"] == 1  # the first still decodes
+        assert late.num_cached_tokens == 32
+        assert late.token_ids == hf_greedy(path, second, 6)
+        assert len(stream.result().token_ids) == 250
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
 def test_abort_mid_generation_returns_blocks(root, async_pipeline):
     path = build_tiny("llama", root)
     engine = make_engine(path, async_pipeline)
