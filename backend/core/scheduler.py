@@ -39,7 +39,8 @@ class Scheduler:
         self.max_blocks = -(-max_model_len // block_manager.block_size)  # block-table width
         self.steady_decode = steady_decode
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        # in admission order (oldest first); a dict as an ordered set: a finishing request leaves in O(1)
+        self.running: dict[Request, None] = {}
         self.num_preemptions = 0
         self.num_steady_steps = 0  # steps scheduled from a steady batch (a figure for tests and stats)
         self.steady: SteadyBatch | None = None  # the running requests as arrays, while they stay the same
@@ -58,7 +59,7 @@ class Scheduler:
     def remove(self, req: Request) -> None:
         """Drop a finished or aborted request from the queues (its blocks are freed by the engine)."""
         if req in self.running:
-            self.running.remove(req)
+            del self.running[req]
             if self.steady is not None:
                 self.steady.remove(req)
         elif req in self._forked:
@@ -138,7 +139,8 @@ class Scheduler:
         """Two general steps in a row fed one token to every running request, each sampled: keep them as arrays."""
         same = batch.requests == self._last_requests
         self._last_requests = batch.requests
-        if (same and batch.is_decode_only and batch.requests == self.running and all(batch.samples)
+        if (same and batch.is_decode_only and len(batch.requests) == len(self.running)
+                and batch.requests == list(self.running) and all(batch.samples)
                 and all(map(SteadyBatch.eligible, batch.requests))):
             self.steady = SteadyBatch(batch.requests, self.block_manager.block_size, self.max_model_len,
                                       self.max_blocks)
@@ -148,16 +150,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm, bs = self.block_manager, self.block_manager.block_size
         preempted = False
+        order = list(self.running)  # preemption takes the newest first: from the end
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(order) and budget > 0:
+            req = order[i]
             n = self._tokens_to_feed(req, budget)
             if not n:
                 i += 1
                 continue
             fits = req.num_computed_tokens + n <= len(req.block_ids) * bs  # the common decode case
             while not fits and not bm.allocate_slots(req, n):
-                victim = self.running[-1]
+                victim = order.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -197,7 +200,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self.running[req] = None
             if self.steady is not None:
                 self.steady.joiners.append(req)
             self._add_to_batch(batch, req, n)
@@ -225,7 +228,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free req's blocks and requeue it first in line; it recomputes its tokens when readmitted, from the cached
         blocks it still finds (its full blocks are hashed first)."""
-        self.running.remove(req)
+        del self.running[req]
         self.steady = None
         self.block_manager.register_full_blocks(req, req.num_computed_tokens)
         self.block_manager.free(req)

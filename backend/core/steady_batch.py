@@ -54,6 +54,7 @@ class SteadyBatch:
         self.max_blocks = max_blocks
         self.requests = list(requests)
         self.request_ids = [r.request_id for r in self.requests]
+        self._members = set(self.requests)  # the rows' requests (hashed by identity): a finished non-row is O(1)
         # (capacity, max_blocks) the rows' KV blocks: row i's in store row table_rows[i], so a row that leaves or
         # joins moves one index, not the tables of the rows after it; a row's entries past its num_blocks are stale
         # (valid block ids, never read)
@@ -136,7 +137,7 @@ class SteadyBatch:
         if req in self.joiners:
             self.joiners.remove(req)
             return
-        if req in self.requests:  # requests compare by identity (and list.index's miss would repr the request)
+        if req in self._members:  # most finishing requests left the rows already (retired at their length limit)
             self._delete(np.array([self.requests.index(req)]))
 
     def retire_rows_at_length_limit(self) -> None:
@@ -152,6 +153,7 @@ class SteadyBatch:
         keep[rows] = False
         self._free_store_rows.extend(self.table_rows[rows].tolist())
         for row in sorted(rows.tolist(), reverse=True):  # a few rows: each del moves the rows after it, in C
+            self._members.discard(self.requests[row])
             del self.requests[row], self.request_ids[row], self.streamed[row]
         self._set_arrays(self._ints[:, keep])
         self._index_rows()
@@ -184,6 +186,7 @@ class SteadyBatch:
 
     def _append(self, reqs: list[Request], src_rows: np.ndarray) -> None:
         self.requests.extend(reqs)
+        self._members.update(reqs)
         self.request_ids.extend(r.request_id for r in reqs)
         self.streamed.extend(not r.final_only for r in reqs)
         self._set_arrays(np.concatenate([self._ints, self._columns(reqs, src_rows.tolist())], axis=1))

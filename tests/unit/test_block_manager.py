@@ -104,7 +104,7 @@ def test_a_request_hashes_its_output_blocks_when_it_finishes_or_is_preempted():
         scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
         req = _running(bm, prompt, outputs)
         req.status = RequestStatus.RUNNING
-        scheduler.running.append(req)
+        scheduler.running[req] = None
         bm.register_full_blocks(req, req.num_prompt_tokens)  # what the step update hashes: the prompt's 2 blocks
         assert len(req.block_hashes) == 2
         if leave == "finish":
