@@ -107,8 +107,7 @@ class SlotPacker:
         n = len(sb)
         pos = sb.computed - 1  # (n,) the position each row feeds
         if prev is not None:  # still on the device: row i's input is the token it samples in row src_rows[i]
-            h["input_ids"][:n] = 0
-            h["carry_src"][:n] = sb.src_rows
+            h["carry_src"][:n] = sb.src_rows  # every row carries over: its input_ids entry is never read
         else:  # read already (synchronous mode): row i's input is the token the other slot read back there
             h["input_ids"][:n] = self.pipeline.other(st.slot).host_tokens.numpy()[sb.src_rows]
             h["carry_src"][:n] = -1

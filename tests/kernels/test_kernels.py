@@ -883,8 +883,10 @@ def test_linear_silu_and_mul_equals_the_gemm_then_silu_and_mul(rows, k, block_k)
     fused = tlin.linear_silu_and_mul(x, w, config=tlin.LinearConfig(64, block_k, 4, 3))  # 32 rows of each half
     unfused = tly.silu_and_mul(tlin.linear(x, w, config=tlin.LinearConfig(32, block_k, 4, 3)))
     assert fused.shape == (rows, inter)
-    if EXACT_BF16:
+    if EXACT_BF16 and not INTERPRET:
         assert torch.equal(fused, unfused)
+    else:  # the interpreter's dot is numpy's matmul, whose summation order may differ between tile widths on a CPU
+        assert rel_err(fused, unfused) < 1e-2
     xd, wd = x.double(), w.double()
     ref = torch.nn.functional.silu(xd @ wd[:inter].T) * (xd @ wd[inter:].T)
     assert rel_err(fused, ref) < 1e-2
