@@ -41,6 +41,22 @@ class PackedRows:
         return risky.nonzero()[0]
 
 
+def accept_pending(requests: list[Request], tokens: list[int], keep: list[bool] | None = None) -> None:
+    """Request.accept_token for each of requests (with keep: those it marks) and its token, in one short loop."""
+    pairs = zip(requests, tokens) if keep is None else compress(zip(requests, tokens), keep)
+    for req, tok in pairs:
+        req.num_pending -= 1
+        req.output_token_ids.append(tok)
+
+
+def mask_without(n: int, rows: list[int]) -> list[bool]:
+    """[True] * n but False at rows."""
+    mask = [True] * n
+    for row in rows:
+        mask[row] = False
+    return mask
+
+
 class SteadyBatch:
     """The decoding running requests as rows: their KV positions, block tables and limits as numpy arrays."""
 
@@ -265,10 +281,7 @@ class SteadyBatch:
 
     def accept(self, tokens: list[int], keep: list[bool] | None = None) -> None:
         """Every row's pending token (with keep: the rows it marks) arrived and ends no request."""
-        pairs = zip(self.requests, tokens) if keep is None else compress(zip(self.requests, tokens), keep)
-        for req, tok in pairs:
-            req.num_pending -= 1
-            req.output_token_ids.append(tok)
+        accept_pending(self.requests, tokens, keep)
 
     def events(self, tokens: list[int], keep: list[bool] | None = None) -> list[tuple[str, int]]:
         """(request_id, token) for each streamed row (with keep: of the rows it marks), made into outputs by the

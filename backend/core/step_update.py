@@ -8,12 +8,11 @@ call a step for every sixteenth row."""
 from __future__ import annotations
 
 import time
-from itertools import compress
 from typing import TYPE_CHECKING, Callable
 
 from backend.core.kv_cache import BlockManager
 from backend.core.scheduler import Scheduler
-from backend.core.steady_batch import PackedRows
+from backend.core.steady_batch import PackedRows, accept_pending, mask_without
 from backend.outputs.processor import StepEvent
 from backend.request import FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
 
@@ -104,11 +103,7 @@ class StepUpdater:
         risky = sb.rows_that_may_end(tokens).tolist()
         if len(risky) > len(sb) // 4:
             return None
-        keep = None
-        if risky:
-            keep = [True] * len(sb)
-            for row in risky:
-                keep[row] = False
+        keep = mask_without(len(sb), risky) if risky else None
         sb.accept(tokens, keep)
         return sb.events(tokens, keep), risky
 
@@ -124,9 +119,7 @@ class StepUpdater:
         risky = packed.rows_that_may_end(tokens).tolist()
         if len(risky) > n // 4:
             return None
-        kept = [True] * n
-        for i in risky:
-            kept[i] = False
+        kept = mask_without(n, risky)
         # only a request that left the rows since the step was packed may have finished meanwhile
         gone = st.batch.steady.rows_gone_since(st.steady_version, n)
         for i in range(n) if gone is None else gone:
@@ -134,9 +127,7 @@ class StepUpdater:
             if kept[i] and req.is_finished:  # finished while this step was queued: its token is dropped, no event
                 req.drop_pending()
                 kept[i] = False
-        for req, tok in compress(zip(requests, tokens), kept):
-            req.num_pending -= 1
-            req.output_token_ids.append(tok)
+        accept_pending(requests, tokens, kept)
         events = [(rid, tokens[i]) for rid, i in zip(packed.streamed_ids, packed.streamed_rows) if kept[i]]
         return events, risky
 
