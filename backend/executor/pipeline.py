@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from backend.executor.sampler import SampleTargets
+from backend.runtime.driver_copy import DriverCopies, leading_bytes
 from backend.runtime.timeline import Timeline
 
 
@@ -62,6 +63,8 @@ class Slot:
         self._sampling_views: dict[int, tuple[torch.Tensor, ...]] = {}
         # per block-table row: (the request's block list, blocks written), so a step writes only new blocks
         self.table_owners: list[tuple[list[int], int] | None] = [None] * S
+        # rows [start, end) that hold a decode graph's padding in the host buffers since the packer wrote it, or None
+        self.decode_padding: tuple[int, int] | None = None
         # outputs: sampled tokens and their logprobs, written by the compute stream, read back by D2H
         self.out_tokens = torch.zeros(S, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(S, dtype=torch.float32, device=device)
@@ -81,6 +84,7 @@ class Slot:
         self.d2h_done = _Event(use_cuda)
         self.in_use = False  # a launched step's results are still unread
         self._leading: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._leading_bytes: dict[tuple[str, str, int], tuple[int, int, int]] = {}
 
     def input_bytes(self, n_i32: int) -> int:
         """Bytes of the input buffer a step copies over: every region, the int32 one up to n_i32 elements."""
@@ -104,6 +108,17 @@ class Slot:
         if pair is None:
             pair = self._leading[key] = (getattr(self, dst_name)[:n], getattr(self, src_name)[:n])
         return pair
+
+    def leading_bytes(self, dst_name: str, src_name: str, rows: int) -> tuple[int, int, int]:
+        """(dst address, src address, bytes) of the first rows rows of two of this slot's buffers, worked out once
+        per row count (a driver copy's arguments)."""
+        key = (dst_name, src_name, rows)
+        args = self._leading_bytes.get(key)
+        if args is None:
+            dst, src = getattr(self, dst_name), getattr(self, src_name)
+            per_row = dst[0].numel() if dst.dim() > 1 else 1
+            args = self._leading_bytes[key] = leading_bytes(dst.view(-1), src.view(-1), rows * per_row)
+        return args
 
 
 def _regions(flat: torch.Tensor, f32_offset: int, i32_offset: int) -> tuple[torch.Tensor, ...]:
@@ -151,8 +166,11 @@ class Pipeline:
             self.compute_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
             self.home_stream = torch.cuda.default_stream(device)  # current again after each launch
+            self.copies = DriverCopies(device)
+            self._h2d_handle, self._d2h_handle = self.h2d_stream.cuda_stream, self.d2h_stream.cuda_stream
         else:
             self.h2d_stream = self.compute_stream = self.d2h_stream = self.home_stream = None
+            self.copies = None  # CPU tensors: torch's copy_
         self.slots = [Slot(0, layout, device, self.use_cuda), Slot(1, layout, device, self.use_cuda)]
         self._next = 0
 
@@ -177,19 +195,17 @@ class Pipeline:
         """Queue H2D copy → compute (carry-over, forward, sample) → D2H copy; returns without waiting. The copy
         takes every input but the int32 region past n_i32 elements (block-table rows the step does not use).
         compute queues the step's device work and returns (rows sampled, whether that work was CUDA graph replays
-        only)."""
+        only). Only compute runs on a current stream (graph replays launch there); the copies, events and waits
+        name theirs."""
         tl = self.timeline
+        # why: the previous step that used this slot must have finished reading its device inputs
+        slot.compute_done.wait(self.h2d_stream)
+        tl.gpu_begin("h2d", self.h2d_stream)
+        self._copy(slot, "dev_inputs", "host_inputs", slot.input_bytes(n_i32), self._h2d_handle if self.copies else 0)
+        tl.gpu_end("h2d", self.h2d_stream, gap_free=True)  # one copy: no launch gaps
+        # why: compute may start only once this step's inputs are on the device
+        slot.h2d_done.record(self.h2d_stream)
         try:
-            self._use(self.h2d_stream)
-            # why: the previous step that used this slot must have finished reading its device inputs
-            slot.compute_done.wait(self.h2d_stream)
-            tl.gpu_begin("h2d", self.h2d_stream)
-            dst, src = slot.leading_views("dev_inputs", "host_inputs", slot.input_bytes(n_i32))
-            dst.copy_(src, non_blocking=True)
-            tl.gpu_end("h2d", self.h2d_stream, gap_free=True)  # one copy: no launch gaps
-            # why: compute may start only once this step's inputs are on the device
-            slot.h2d_done.record(self.h2d_stream)
-
             self._use(self.compute_stream)
             slot.h2d_done.wait(self.compute_stream)
             # why: this slot's output buffers must have been copied back before they are overwritten
@@ -200,24 +216,30 @@ class Pipeline:
             tl.gpu_end("compute", self.compute_stream, gap_free=graph_replays_only)
             # why: the D2H copy may start only when sampling has written the outputs
             slot.compute_done.record(self.compute_stream)
-
-            self._use(self.d2h_stream)
-            slot.compute_done.wait(self.d2h_stream)
-            tl.gpu_begin("d2h", self.d2h_stream)
-            dst, src = slot.leading_views("host_tokens", "out_tokens", rows)
-            dst.copy_(src, non_blocking=True)
-            if read_logprobs:
-                slot.host_logprobs[:rows].copy_(slot.out_logprobs[:rows], non_blocking=True)
-                slot.host_ranks[:rows].copy_(slot.out_ranks[:rows], non_blocking=True)
-                slot.host_top_ids[:rows].copy_(slot.out_top_ids[:rows], non_blocking=True)
-                slot.host_top_logprobs[:rows].copy_(slot.out_top_logprobs[:rows], non_blocking=True)
-            # the tokens alone are one copy, no launch gaps; with logprobs, five launches: the GPU's progress decides
-            tl.gpu_end("d2h", self.d2h_stream, gap_free=not read_logprobs)
-            # why: the host waits on this event, the one blocking point of a step
-            slot.d2h_done.record(self.d2h_stream)
         finally:
             self._use(self.home_stream)
+        slot.compute_done.wait(self.d2h_stream)
+        tl.gpu_begin("d2h", self.d2h_stream)
+        d2h = self._d2h_handle if self.copies else 0
+        self._copy(slot, "host_tokens", "out_tokens", rows, d2h)
+        if read_logprobs:
+            for dst, src in (("host_logprobs", "out_logprobs"), ("host_ranks", "out_ranks"),
+                             ("host_top_ids", "out_top_ids"), ("host_top_logprobs", "out_top_logprobs")):
+                self._copy(slot, dst, src, rows, d2h)
+        # the tokens alone are one copy, no launch gaps; with logprobs, five launches: the GPU's progress decides
+        tl.gpu_end("d2h", self.d2h_stream, gap_free=not read_logprobs)
+        # why: the host waits on this event, the one blocking point of a step
+        slot.d2h_done.record(self.d2h_stream)
         slot.in_use = True
+
+    def _copy(self, slot: Slot, dst: str, src: str, rows: int, stream: int) -> None:
+        """The first rows rows of slot buffer src into slot buffer dst: a driver copy queued on the stream (its
+        handle) with CUDA, torch's copy_ without."""
+        if self.copies is not None:
+            self.copies.copy(*slot.leading_bytes(dst, src, rows), stream)
+        else:
+            to, source = slot.leading_views(dst, src, rows)
+            to.copy_(source)
 
     def wait(self, slot: Slot) -> None:
         """Block until slot's results are in host memory: the engine loop's only synchronisation."""
