@@ -24,9 +24,16 @@ class StepState:
     sampled: list[Request] = field(default_factory=list)  # requests in output-row order
     read_logprobs: bool = False
     num_top: int = 0
-    max_len: int = 0  # longest context of the batch after this step
+    max_len: int = 0  # longest context after this step of the batch's requests but its steady rows
     steady_version: int = -1  # the steady batch's version when this step was packed from it
     _row_of: dict[int, int] | None = None
+
+    def longest_context(self) -> int:
+        """Longest context of the batch after this step. The steady rows' part is read from their counts when asked,
+        in the step's launch (the counts move at the next schedule): a step that replays a graph never asks."""
+        if self.batch.steady is None or not self.batch.num_steady_rows:
+            return self.max_len
+        return max(self.max_len, int(self.batch.steady.computed.max()))
 
     @property
     def row_of(self) -> dict[int, int]:
@@ -63,12 +70,15 @@ class SlotPacker:
         """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
         slot = self.pipeline.acquire_slot()
         st = StepState(batch, slot)
+        padding, slot.decode_padding = slot.decode_padding, None  # this pack writes over rows of it
         if batch.steady is not None:
             first = batch.num_steady_rows
             self._pack_steady(st, prev)
             if len(batch) > first:  # joiners of the run, by the general rules
                 self._pack_mixed(st, prev, first)
                 self._write_block_tables(slot, batch.requests[first:], first)
+            elif padding is not None and first < padding[1]:  # the steady rows wrote rows [0, first) only
+                slot.decode_padding = (max(first, padding[0]), padding[1])
             batch.steady.packed(st.sampled)
             return st
         if batch.is_decode_only:
@@ -120,7 +130,6 @@ class SlotPacker:
         # out= numpy's default bounds mode gathers into a temporary first, and every table row index is in range
         np.take(sb.table_store, sb.table_rows, axis=0, out=h["block_tables"][:n], mode="clip")
         st.slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
-        st.max_len = int(sb.computed.max())
         st.sampled = list(sb.requests)
         st.steady_version = sb.version
 
@@ -184,7 +193,12 @@ class SlotPacker:
         return 0, prev.row_of[id(req)]  # sampled by the step still on the device
 
     def pad_decode(self, slot: Slot, start: int, end: int) -> None:
-        """Rows [start, end) of a graph bucket: one harmless token each, written into the null block."""
+        """Rows [start, end) of a graph bucket: one harmless token each, written into the null block (unless the
+        slot's host buffers hold that padding still: a steady run's row count moves by a few rows a step)."""
+        padding = slot.decode_padding
+        if padding is not None and padding[0] <= start and end <= padding[1]:
+            return
+        slot.decode_padding = (start, end)
         h = slot.np
         h["input_ids"][start:end] = 0
         h["positions"][start:end] = 0

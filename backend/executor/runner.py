@@ -141,11 +141,11 @@ class ModelRunner:
         B, T, n = len(batch), batch.num_tokens, len(st.sampled)
         bucket = self._graph_bucket(st)
         tokens = None if bucket is not None else self._mixed_bucket(st)
-        max_len = st.max_len
-        width = max(1, -(-max_len // self.block_size))  # block-table columns that hold context
         n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
         if bucket is not None and self._all_plain_greedy(st):
             # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare
+            width, max_len = self._context(st) if self.graphs.eager else (0, 0)  # a captured graph reads all
+
             def replay_only() -> tuple[int, bool]:
                 self.graphs.replay(slot, bucket, width, max_len)
                 return bucket, not self.graphs.eager
@@ -162,6 +162,8 @@ class ModelRunner:
             self.packer.pad_mixed(slot, B, T, tokens, n, self.graphs.logits_rows(tokens))
         edits = logit_edits(st.sampled, self.device, self._rows_without_edits(st))
         prev_slot = self.pipeline.other(slot) if prev is not None and prev.sampled else None
+        eager = (bucket is None and tokens is None) or self.graphs.eager
+        width, max_len = self._context(st) if eager else (0, 0)  # captured graphs read the whole block table
 
         def compute() -> tuple[int, bool]:
             """Queue the step's device work; returns (rows sampled, whether it was graph replays only)."""
@@ -189,6 +191,11 @@ class ModelRunner:
             return rows, False  # eager launches: the forward's, or the edits and sampler after a graph
 
         self.pipeline.launch(slot, n_i32, compute, st.read_logprobs)
+
+    def _context(self, st: StepState) -> tuple[int, int]:
+        """(block-table columns that hold context, longest context) of a step, which only eager forwards read."""
+        max_len = st.longest_context()
+        return max(1, -(-max_len // self.block_size)), max_len
 
     def _mixed_bucket(self, st: StepState) -> int | None:
         """The mixed graph's token bucket for a step no decode graph takes; None: the step runs eagerly."""
