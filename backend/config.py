@@ -33,6 +33,7 @@ class EngineConfig:
     loop_gate: bool = True  # CUDA: output/sender threads do their Python while the loop waits (loop_gate.py)
     max_graph_batch_size: int = 256  # largest decode batch with a captured graph
     mixed_step_graphs: bool = True  # triton attention: steps with prefill chunks replay graphs per token bucket
+    graph_idle_measure: bool = True  # CUDA graphs: time each graph's inner idle once (CUPTI) so GPU busy is kernel time
     fused_sampler: bool = True  # triton ops: sampling in one kernel (captured per bucket); off: the torch sampler
     steady_decode: bool = True  # runs of identical decode steps are scheduled, packed and read as arrays
     attention_backend: str = "auto"  # auto | torch | triton

@@ -97,7 +97,7 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     runner = ModelRunner(model, kv_cache, config.block_size, layout, device, timeline,
                          use_graphs=config.cuda_graphs, max_graph_batch=config.max_graph_batch_size,
                          fused_sampler=config.fused_sampler, mixed_graphs=config.mixed_step_graphs)
-    runner.prepare()
+    runner.prepare(measure_graph_idle=config.graph_idle_measure)
     async_pipeline = config.async_pipeline if config.async_pipeline is not None else device.type == "cuda"
     log.info("engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, async %s",
              path, device, dtype, num_blocks, config.block_size, max_len, backend, async_pipeline)

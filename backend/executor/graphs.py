@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from backend.executor.graph_idle import Replay, measure_graph_idle
 from backend.models.spec import ModelSpec
 
 # (slot, previous slot, bucket, block-table width, longest context, logits buffer or None) → logits (bucket, V)
@@ -68,6 +69,8 @@ class DecodeGraphs:
         self.sampler_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (slot, bucket, top-k)
         self.samples = sample is not None and not self.eager  # sampled steps replay a sampler graph
         self.memory: dict[str, int] = {}
+        # seconds of idle inside one replay of each graph, by graph_idle.py's keys; None: not measured
+        self.idle: dict[tuple, float] | None = None
         if self.eager:
             return
         self.pool = torch.cuda.graph_pool_handle()
@@ -107,6 +110,30 @@ class DecodeGraphs:
             # why: the pool's size after each slot is read once that slot's captures are all done
             torch.cuda.synchronize(self.device)
             self.memory[f"after_slot{slot.index}"] = torch.cuda.memory_reserved(self.device) - base
+
+    def measure_idle(self) -> None:
+        """Measure each graph's idle time once (graph_idle.py), replaying slot 0's graphs on harmless inputs: both
+        slots' graphs of a key are the same kernels."""
+        if self.eager:
+            return
+        slot = self.pipeline.slots[0]
+        decode = lambda: self._prepare(slot)  # noqa: E731 - the decode and sampler graphs' inputs
+        replays: list[Replay] = []
+        for bucket in self.buckets:
+            replays.append((("decode", bucket), decode, self.graphs[(0, bucket)].replay))
+            if self.samples:
+                for top_k in (True, False):
+                    replays.append((("sampler", bucket, top_k), decode,
+                                    self.sampler_graphs[(0, bucket, top_k)].replay))
+        for tokens in self.token_buckets:
+            replays.append((("mixed", tokens), lambda t=tokens: self._prepare(slot, t),
+                            self.mixed_graphs[(0, tokens)].replay))
+        self.idle = measure_graph_idle(replays, self.pipeline.compute_stream)
+        self._prepare(slot)
+
+    def idle_of(self, key: tuple) -> float | None:
+        """Idle seconds inside one replay of the graph key names; None when not measured."""
+        return None if self.idle is None else self.idle.get(key)
 
     def _prepare(self, slot, num_tokens: int | None = None) -> None:
         """Harmless inputs for warm-up and capture: one-token sequences in the null block (with num_tokens, a mixed

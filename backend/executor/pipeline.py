@@ -195,7 +195,7 @@ class Pipeline:
         """Queue H2D copy → compute (carry-over, forward, sample) → D2H copy; returns without waiting. The copy
         takes every input but the int32 region past n_i32 elements (block-table rows the step does not use).
         compute queues the step's device work and returns (rows sampled, whether that work was CUDA graph replays
-        only). Only compute runs on a current stream (graph replays launch there); the copies, events and waits
+        only, the idle seconds inside those graphs or None where unknown). Only compute runs on a current stream (graph replays launch there); the copies, events and waits
         name theirs."""
         tl = self.timeline
         # why: the previous step that used this slot must have finished reading its device inputs
@@ -211,9 +211,11 @@ class Pipeline:
             # why: this slot's output buffers must have been copied back before they are overwritten
             slot.d2h_done.wait(self.compute_stream)
             tl.gpu_begin("compute", self.compute_stream)
-            rows, graph_replays_only = compute()
-            # a graph replay is one launch, its kernels back to back: the span holds no launch gaps
-            tl.gpu_end("compute", self.compute_stream, gap_free=graph_replays_only)
+            rows, graph_replays_only, idle_s = compute()
+            # a graph replay is one launch, its kernels back to back: the span holds no launch gaps, only the graphs'
+            # inner idle, measured once (None: not measured, so the span's busy time is not known)
+            tl.gpu_end("compute", self.compute_stream, gap_free=graph_replays_only,
+                       idle_s=idle_s if graph_replays_only else 0.0)
             # why: the D2H copy may start only when sampling has written the outputs
             slot.compute_done.record(self.compute_stream)
         finally:

@@ -38,14 +38,17 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.decode_forward, self.pipeline, device, layout, block_size,
                                        model.spec, max_graph_batch, fused, mixed)
 
-    def prepare(self) -> None:
-        """Warm the eager forward up and capture the decode graphs, before the first request."""
+    def prepare(self, measure_graph_idle: bool = True) -> None:
+        """Warm the eager forward up and capture the decode graphs, before the first request; then, unless told
+        not to, time the idle inside each graph (graph_idle.py) for the GPU-busy figures."""
         if self.device.type == "cuda" or self.model.ops.name.startswith("triton"):
             # before the capture, whose own warm-up resets the inputs it reads; wherever Triton kernels run, also
             # under Triton's CPU interpreter, so the CPU tests run the warm-up's steps too
             self.warm_up_prefill()
         if self.graphs is not None:
             self.graphs.capture_all()
+            if measure_graph_idle:
+                self.graphs.measure_idle()
 
     def decode_forward(self, slot: Slot, prev_slot: Slot | None, bucket: int, width: int, max_len: int,
                        logits_out: torch.Tensor | None) -> torch.Tensor:
@@ -146,9 +149,9 @@ class ModelRunner:
             # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare
             width, max_len = self._context(st) if self.graphs.eager else (0, 0)  # a captured graph reads all
 
-            def replay_only() -> tuple[int, bool]:
+            def replay_only() -> tuple[int, bool, float | None]:
                 self.graphs.replay(slot, bucket, width, max_len)
-                return bucket, not self.graphs.eager
+                return bucket, not self.graphs.eager, self.graphs.idle_of(("decode", bucket))
 
             self.pipeline.launch(slot, n_i32, replay_only, False)
             return
@@ -165,30 +168,35 @@ class ModelRunner:
         eager = (bucket is None and tokens is None) or self.graphs.eager
         width, max_len = self._context(st) if eager else (0, 0)  # captured graphs read the whole block table
 
-        def compute() -> tuple[int, bool]:
-            """Queue the step's device work; returns (rows sampled, whether it was graph replays only)."""
+        def compute() -> tuple[int, bool, float | None]:
+            """Queue the step's device work; returns (rows sampled, whether it was graph replays only, the idle
+            seconds inside those graphs or None where not measured)."""
             replayed = (bucket is not None or tokens is not None) and not self.graphs.eager
             if bucket is not None:
                 logits = self.graphs.replay(slot, bucket, width, max_len)  # carry-over + forward + logits
+                idle = self.graphs.idle_of(("decode", bucket))
             elif tokens is not None:
                 logits = self.graphs.replay_mixed(slot, tokens)  # the same, for prefill chunks beside decode rows
+                idle = self.graphs.idle_of(("mixed", tokens))
             else:
                 logits = self._eager_forward(slot, B, T, width, max_len, max(batch.num_new_tokens), prev_slot, n)
+                idle = 0.0
             if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
-                return 0, replayed
+                return 0, replayed, idle
             if (bucket or tokens) and edits is None and sampling.num_logprobs < 0:
                 if bucket is not None and sampling.all_greedy:
-                    return rows, replayed  # the graph already wrote the greedy tokens into this slot's outputs
+                    return rows, replayed, idle  # the graph already wrote the greedy tokens into this slot's outputs
                 if self.graphs.samples and self.graphs.has_sampler(slot, rows):
                     # the fused sampler, captured for this many rows
                     self.graphs.replay_sampler(slot, rows, sampling.any_top_k)
-                    return rows, replayed
+                    more = self.graphs.idle_of(("sampler", rows, sampling.any_top_k))
+                    return rows, replayed, None if idle is None or more is None else idle + more
             if edits is not None:  # min_tokens bans, logit_bias, allowed_token_ids, bad_words
                 edits.apply(logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:n]])
             if sampling.any_penalty:
                 self._append_input_tokens(slot, sampling, n)
             self.sampler.sample_into(logits[:rows], sampling, slot.targets)
-            return rows, False  # eager launches: the forward's, or the edits and sampler after a graph
+            return rows, False, 0.0  # eager launches: the forward's, or the edits and sampler after a graph
 
         self.pipeline.launch(slot, n_i32, compute, st.read_logprobs)
 

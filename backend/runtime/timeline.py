@@ -4,8 +4,12 @@ A GPU span runs from an event recorded before a step's device work to one record
 time, no idle gaps inside) when its work went to the GPU as graph replays or a single copy, or when the GPU had not
 reached its start event by the time every launch of the span was queued: the kernels then ran back to back. Other
 spans are uncertain: launched one kernel at a time while the GPU kept up, they may hold the gaps between launches.
-The busy figures count exact spans only (a lower bound, kernel time when nothing is uncertain); the uncertain share
-is the wall time that only uncertain spans cover, so busy + uncertain is the union of every span (an upper bound).
+A span of graph replays also holds the idle gaps between the kernels inside the graphs, which no event sees: their
+length, measured once per graph after capture (backend/executor/graph_idle.py), is the span's idle time, left out
+of the busy figures; a replay of a graph whose idle was not measured makes its span uncertain.
+The busy figures count exact spans only, less their idle (a lower bound, kernel time when nothing is uncertain);
+the uncertain share is the wall time that only uncertain spans cover, so busy + uncertain + idle is the union of
+every span (an upper bound).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ class Span:
     end: float
     step: int
     exact: bool = True  # GPU row: the span holds no launch gaps (see the module's docstring)
+    idle: float = 0.0  # GPU row: seconds of the span known to be idle (inside replayed graphs)
 
 
 MAX_SPANS = 500_000  # about 45,000 steps: a whole benchmark, or a server's last minutes (older spans drop off)
@@ -51,8 +56,8 @@ def union_length(intervals) -> float:
 
 
 class RunningUnion:
-    """Length covered by intervals added in the order they resolve, O(1) each; one that fills a gap left behind the
-    furthest end so far is missed, so it can read low."""
+    """Length covered by intervals added in the order they resolve, O(1) each, less their idle time; one that fills
+    a gap left behind the furthest end so far is missed, so it can read low."""
 
     __slots__ = ("total", "end")
 
@@ -60,9 +65,12 @@ class RunningUnion:
         self.total = 0.0
         self.end = 0.0
 
-    def add(self, start: float, end: float) -> None:
+    def add(self, start: float, end: float, idle: float = 0.0) -> None:
+        """An interval holding idle seconds of no work: the share of them in its part past the furthest end so far
+        is left out too."""
         if end > self.end:
-            self.total += end - max(start, self.end)
+            new = end - max(start, self.end)
+            self.total += new - (idle * new / (end - start) if idle > 0.0 else 0.0)
             self.end = end
 
 
@@ -115,8 +123,8 @@ class Timeline:
         self.use_cuda = use_cuda
         self.enabled = False
         self.spans: collections.deque[Span] = collections.deque(maxlen=max_spans)
-        # (name, start event, end event, step, exact), in recording order
-        self._pending_gpu: collections.deque[tuple[str, object, object, int, bool]] = collections.deque()
+        # (name, start event, end event, step, exact, idle seconds), in recording order
+        self._pending_gpu: collections.deque[tuple[str, object, object, int, bool, float]] = collections.deque()
         self._open_gpu: dict[str, object] = {}
         self._free_events: list = []
         self._step = 0
@@ -187,9 +195,11 @@ class Timeline:
         else:
             self._open_gpu[name] = self.now()
 
-    def gpu_end(self, name: str, stream, gap_free: bool = False) -> None:
+    def gpu_end(self, name: str, stream, gap_free: bool = False, idle_s: float | None = 0.0) -> None:
         """End the span `name` on stream, once its work is queued. gap_free: the launcher knows that work holds no
-        launch gaps (graph replays, one copy), so the span is exact whatever the GPU's progress."""
+        launch gaps (graph replays, one copy), so the span is exact whatever the GPU's progress. idle_s: seconds
+        of idle inside the work (replayed graphs' inner gaps), None when the work holds idle of unknown length
+        (the span is then uncertain)."""
         if not self.enabled or name not in self._open_gpu:
             return
         start = self._open_gpu.pop(name)
@@ -197,10 +207,10 @@ class Timeline:
             # why: a start event the GPU has not executed yet means every launch of the span was queued before the
             # GPU got there, so its kernels run back to back; one already executed means the GPU may have idled
             # between launches. Asked before the end event is recorded, which is the last thing queued.
-            exact = gap_free or not start.query()
+            exact = (gap_free or not start.query()) and idle_s is not None
             ev = self._event()
             ev.record(stream)  # why: the end of this stream's work for the span
-            self._pending_gpu.append((name, start, ev, self._step, exact))
+            self._pending_gpu.append((name, start, ev, self._step, exact, idle_s or 0.0))
         else:
             # exact: the CPU runs the span's work synchronously inside it, so no device sits idle between launches
             self._add_gpu_span(Span("gpu", name, start, self.now(), self._step))
@@ -208,8 +218,8 @@ class Timeline:
     def _add_gpu_span(self, span: Span) -> None:
         self.spans.append(span)
         if span.exact:
-            self._exact.add(span.start, span.end)
-        self._covered.add(span.start, span.end)
+            self._exact.add(span.start, span.end, span.idle)
+        self._covered.add(span.start, span.end, span.idle)
 
     def _resolve_finished(self) -> None:
         """Resolve the oldest pending spans whose steps are behind us, each step a few: spread out, not a burst
@@ -218,9 +228,9 @@ class Timeline:
         while pending and pending[0][3] < self._step - 1 and pending[0][2].query():
             self._resolve_one(*pending.popleft())
 
-    def _resolve_one(self, name: str, s, e, step: int, exact: bool) -> None:
-        self._add_gpu_span(Span("gpu", name, self._anchor.elapsed_time(s) / 1e3, self._anchor.elapsed_time(e) / 1e3,
-                                step, exact))
+    def _resolve_one(self, name: str, s, e, step: int, exact: bool, idle: float) -> None:
+        start, end = self._anchor.elapsed_time(s) / 1e3, self._anchor.elapsed_time(e) / 1e3
+        self._add_gpu_span(Span("gpu", name, start, end, step, exact, min(idle, max(0.0, end - start))))
         self._free_events += (s, e)  # both done (s was recorded before e on the same stream): reusable
 
     def resolve(self) -> None:
@@ -263,8 +273,8 @@ class Timeline:
         return self._step
 
     def summary(self) -> dict:
-        """GPU busy fraction (exact spans) and uncertain share over the recorded window, and median CPU time per
-        step (wait excluded)."""
+        """GPU busy fraction (exact spans less their idle) and uncertain share over the recorded window, and median
+        CPU time per step (wait excluded)."""
         self.resolve()
         spans = self.spans
         gpu = [s for s in spans if s.row == "gpu"]
@@ -274,8 +284,9 @@ class Timeline:
                     "steps": 0, "wall_s": 0.0}
         start = min([g.start for g in gpu] + [c.start for c in cpu])
         end = max([g.end for g in gpu] + [c.end for c in cpu])
-        busy = union_length([(g.start, g.end) for g in gpu if g.exact])
-        covered = union_length([(g.start, g.end) for g in gpu])
+        exact = [g for g in gpu if g.exact]
+        busy = max(0.0, union_length([(g.start, g.end) for g in exact]) - sum(g.idle for g in exact))
+        covered = union_length([(g.start, g.end) for g in gpu]) - sum(g.idle for g in exact)
         per_step: dict[int, float] = {}
         by_name: dict[str, list[float]] = {}
         for s in cpu:
@@ -298,7 +309,8 @@ class Timeline:
         events = [
             {"name": s.name, "ph": "X", "pid": 0, "tid": 0 if s.row == "cpu" else 1,
              "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6,
-             "args": {"step": s.step} if s.row == "cpu" else {"step": s.step, "exact": s.exact}}
+             "args": ({"step": s.step} if s.row == "cpu"
+                      else {"step": s.step, "exact": s.exact, "idle_us": round(s.idle * 1e6, 2)})}
             for s in self.spans
         ]
         events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}

@@ -65,9 +65,10 @@ def test_gpu_spans_resolve_a_few_each_step_in_order_stopping_at_one_still_runnin
     tl = Timeline(enabled=True)
     tl.use_cuda, tl._anchor = True, _FakeEvent(0.0)
     running = _FakeEvent(2.5, done=False)
-    for item in [("h2d", _FakeEvent(0.0), _FakeEvent(0.5), 0, True),
-                 ("compute", _FakeEvent(0.5), _FakeEvent(2.0), 0, True),
-                 ("compute", _FakeEvent(2.0), running, 1, True), ("d2h", _FakeEvent(2.5), _FakeEvent(2.6), 1, True)]:
+    for item in [("h2d", _FakeEvent(0.0), _FakeEvent(0.5), 0, True, 0.0),
+                 ("compute", _FakeEvent(0.5), _FakeEvent(2.0), 0, True, 0.0),
+                 ("compute", _FakeEvent(2.0), running, 1, True, 0.0),
+                 ("d2h", _FakeEvent(2.5), _FakeEvent(2.6), 1, True, 0.0)]:
         tl._pending_gpu.append(item)
     tl.next_step()  # step 1: nothing is two steps old yet
     assert not [s for s in tl.spans if s.row == "gpu"]
@@ -107,6 +108,31 @@ def test_a_span_whose_start_the_gpu_had_not_reached_when_its_end_was_queued_is_e
     summary = tl.summary()  # wall 4.5 s: exact 1.5 s, uncertain 1 s
     assert summary["gpu_busy_fraction"] == 1.5 / 4.5
     assert summary["gpu_busy_uncertain_fraction"] == 1.0 / 4.5
+
+
+def test_graph_replays_idle_is_left_out_of_busy_and_an_unmeasured_one_makes_the_span_uncertain():
+    # three graph-replay spans of 1 s each: 0.25 s of measured inner idle, none, and idle not measured (None)
+    events = [_FakeEvent(t) for t in (0.0, 1.0, 1.0, 2.0, 2.0, 3.0)]
+    tl = _cuda_timeline(events)
+    for idle in (0.25, 0.0, None):
+        tl.gpu_begin("compute", None)
+        tl.gpu_end("compute", None, gap_free=True, idle_s=idle)
+    tl.resolve()
+    assert [(s.exact, s.idle) for s in tl.spans] == [(True, 0.25), (True, 0.0), (False, 0.0)]
+    summary = tl.summary()  # wall 3 s: busy 2 s of exact spans less 0.25 s idle; 1 s uncertain
+    assert summary["gpu_busy_fraction"] == 1.75 / 3
+    assert summary["gpu_busy_uncertain_fraction"] == 1.0 / 3
+
+
+def test_recent_busy_fraction_leaves_out_idle_and_the_share_of_it_past_the_furthest_end():
+    tl = Timeline(enabled=True)
+    clock = [0.0]
+    tl.now = lambda: clock[0]
+    tl._add_gpu_span(Span("gpu", "compute", 0.0, 2.0, 0, True, 0.5))  # 1.5 s busy
+    tl._add_gpu_span(Span("gpu", "compute", 1.0, 3.0, 0, True, 0.4))  # half of it is new: 1 s less 0.2 s idle
+    clock[0] = 4.0
+    assert abs(tl.recent_busy_fraction() - 2.3 / 4) < 1e-12
+    assert tl.recent_uncertain_fraction() == 0.0
 
 
 def test_summary_counts_exact_spans_as_busy_and_the_wall_only_uncertain_spans_cover_as_uncertain():
@@ -242,31 +268,31 @@ def test_union_length_counts_overlaps_once():
 
 
 class _SpyTimeline(Timeline):
-    """A CPU timeline that also lists each gpu_end's (name, gap_free)."""
+    """A CPU timeline that also lists each gpu_end's (name, gap_free, idle_s)."""
 
     def __init__(self) -> None:
         super().__init__(enabled=True)
-        self.ends: list[tuple[str, bool]] = []
+        self.ends: list[tuple[str, bool, float | None]] = []
 
-    def gpu_end(self, name: str, stream, gap_free: bool = False) -> None:
-        self.ends.append((name, gap_free))
-        super().gpu_end(name, stream, gap_free)
+    def gpu_end(self, name: str, stream, gap_free: bool = False, idle_s: float | None = 0.0) -> None:
+        self.ends.append((name, gap_free, idle_s))
+        super().gpu_end(name, stream, gap_free, idle_s)
 
 
-def test_the_pipeline_marks_graph_replays_and_lone_copies_gap_free():
+def test_the_pipeline_marks_graph_replays_and_lone_copies_gap_free_and_passes_the_graphs_idle_on():
     import torch
 
     from backend.executor.pipeline import Pipeline, SlotLayout
 
     tl = _SpyTimeline()
     pipe = Pipeline(SlotLayout(max_tokens=8, max_seqs=4, max_blocks=2, max_logprobs=2), torch.device("cpu"), tl)
-    for graph_replays_only, read_logprobs in [(True, False), (False, False), (True, True)]:
+    for graph_replays_only, idle, read_logprobs in [(True, 2e-5, False), (False, 0.0, False), (True, None, True)]:
         slot = pipe.acquire_slot()
-        pipe.launch(slot, slot.host_i32.numel(), lambda: (2, graph_replays_only), read_logprobs)
+        pipe.launch(slot, slot.host_i32.numel(), lambda: (2, graph_replays_only, idle), read_logprobs)
         pipe.wait(slot)
-    assert tl.ends == [("h2d", True), ("compute", True), ("d2h", True),
-                       ("h2d", True), ("compute", False), ("d2h", True),
-                       ("h2d", True), ("compute", True), ("d2h", False)]
+    assert tl.ends == [("h2d", True, 0.0), ("compute", True, 2e-5), ("d2h", True, 0.0),
+                       ("h2d", True, 0.0), ("compute", False, 0.0), ("d2h", True, 0.0),
+                       ("h2d", True, 0.0), ("compute", True, None), ("d2h", False, 0.0)]
 
 
 def test_the_anchor_is_placed_again_until_the_clock_reads_bracket_it_closely():
