@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from backend.executor.graph_idle import is_kernel
 from backend.runtime.timeline import union_length
 
 
@@ -18,11 +19,8 @@ def kernel_intervals(prof) -> list[tuple[float, float]]:
     """(start, end) µs of every kernel in a finished torch.profiler run (copies and memsets left out)."""
     out = []
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        if e.name.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")):
-            continue
-        out.append((e.time_range.start, e.time_range.end))
+        if e.device_type == torch.autograd.DeviceType.CUDA and is_kernel(e.name):
+            out.append((e.time_range.start, e.time_range.end))
     return out
 
 
@@ -30,7 +28,7 @@ def kernel_table(prof, top: int) -> list[dict]:
     """The `top` kernels by total GPU time in a finished torch.profiler run: name, calls, ms, share of kernel time."""
     totals: dict[str, list[float]] = {}
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or e.name.startswith(("Memcpy", "Memset")):
+        if e.device_type != torch.autograd.DeviceType.CUDA or not is_kernel(e.name):
             continue
         entry = totals.setdefault(e.name, [0, 0.0])
         entry[0] += 1

@@ -50,6 +50,14 @@ def idle_per_replay(kernels: list[tuple[str, int, float, float]], spans: list[li
 Replay = tuple[Hashable, Callable[[], None], Callable[[], None]]  # (key, set-up of its inputs, one replay)
 
 
+_NOT_KERNELS = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")  # CUDA activities CUPTI lists beside kernels
+
+
+def is_kernel(activity_name: str) -> bool:
+    """A profiler's CUDA activity that is a kernel (copies and memsets are not)."""
+    return not activity_name.startswith(_NOT_KERNELS)
+
+
 def measure_graph_idle(replays: list[Replay], stream: torch.cuda.Stream, repeats: int = 2
                        ) -> dict[Hashable, float] | None:
     """Each graph's idle seconds per replay (see the module's docstring), its inputs set up first on the current
@@ -76,7 +84,7 @@ def measure_graph_idle(replays: list[Replay], stream: torch.cuda.Stream, repeats
         kernels = [(e.name(), e.device_resource_id(), e.start_ns() / 1e9, e.end_ns() / 1e9)
                    for e in prof.profiler.kineto_results.events()
                    if e.device_type() == torch.autograd.DeviceType.CUDA
-                   and not e.name().startswith(("Memcpy", "Memset"))]
+                   and is_kernel(e.name())]
     except Exception as exc:  # noqa: BLE001 - no CUPTI (or a profiler failure) must not stop the engine
         log.warning("graph idle time not measured (%s): GPU busy counts graph replays as uncertain", exc)
         return None

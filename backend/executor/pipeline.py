@@ -83,8 +83,7 @@ class Slot:
         self.compute_done = _Event(use_cuda)
         self.d2h_done = _Event(use_cuda)
         self.in_use = False  # a launched step's results are still unread
-        self._leading: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._leading_bytes: dict[tuple[str, str, int], tuple[int, int, int]] = {}
+        self._leading: dict[tuple[str, str, int], LeadingRows] = {}
 
     def input_bytes(self, n_i32: int) -> int:
         """Bytes of the input buffer a step copies over: every region, the int32 one up to n_i32 elements."""
@@ -101,24 +100,28 @@ class Slot:
             views = self._sampling_views[rows] = (*f.unbind(0), *i.unbind(0), self.dev["top_k"][:rows])
         return views
 
-    def leading_views(self, dst_name: str, src_name: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dst[:n], src[:n]) of two of this slot's buffers, made once per length: views cost µs each step."""
-        key = (dst_name, n)
-        pair = self._leading.get(key)
-        if pair is None:
-            pair = self._leading[key] = (getattr(self, dst_name)[:n], getattr(self, src_name)[:n])
-        return pair
-
-    def leading_bytes(self, dst_name: str, src_name: str, rows: int) -> tuple[int, int, int]:
-        """(dst address, src address, bytes) of the first rows rows of two of this slot's buffers, worked out once
-        per row count (a driver copy's arguments)."""
+    def leading(self, dst_name: str, src_name: str, rows: int) -> "LeadingRows":
+        """The first rows rows of two of this slot's buffers, as views (torch's copy_) and as a driver copy's
+        arguments, worked out once per row count: views and addresses cost µs each step."""
         key = (dst_name, src_name, rows)
-        args = self._leading_bytes.get(key)
-        if args is None:
+        lead = self._leading.get(key)
+        if lead is None:
             dst, src = getattr(self, dst_name), getattr(self, src_name)
             per_row = dst[0].numel() if dst.dim() > 1 else 1
-            args = self._leading_bytes[key] = leading_bytes(dst.view(-1), src.view(-1), rows * per_row)
-        return args
+            n = rows * per_row
+            flat_dst, flat_src = dst.view(-1), src.view(-1)
+            lead = self._leading[key] = LeadingRows(flat_dst[:n], flat_src[:n],
+                                                    leading_bytes(flat_dst, flat_src, n))
+        return lead
+
+
+@dataclass(frozen=True, slots=True)
+class LeadingRows:
+    """A buffer's leading rows and their source's: views for torch's copy_, (dst, src, bytes) for a driver copy."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    copy_args: tuple[int, int, int]
 
 
 def _regions(flat: torch.Tensor, f32_offset: int, i32_offset: int) -> tuple[torch.Tensor, ...]:
@@ -171,6 +174,7 @@ class Pipeline:
         else:
             self.h2d_stream = self.compute_stream = self.d2h_stream = self.home_stream = None
             self.copies = None  # CPU tensors: torch's copy_
+            self._h2d_handle = self._d2h_handle = 0
         self.slots = [Slot(0, layout, device, self.use_cuda), Slot(1, layout, device, self.use_cuda)]
         self._next = 0
 
@@ -201,7 +205,7 @@ class Pipeline:
         # why: the previous step that used this slot must have finished reading its device inputs
         slot.compute_done.wait(self.h2d_stream)
         tl.gpu_begin("h2d", self.h2d_stream)
-        self._copy(slot, "dev_inputs", "host_inputs", slot.input_bytes(n_i32), self._h2d_handle if self.copies else 0)
+        self._copy(slot, "dev_inputs", "host_inputs", slot.input_bytes(n_i32), self._h2d_handle)
         tl.gpu_end("h2d", self.h2d_stream, gap_free=True)  # one copy: no launch gaps
         # why: compute may start only once this step's inputs are on the device
         slot.h2d_done.record(self.h2d_stream)
@@ -222,7 +226,7 @@ class Pipeline:
             self._use(self.home_stream)
         slot.compute_done.wait(self.d2h_stream)
         tl.gpu_begin("d2h", self.d2h_stream)
-        d2h = self._d2h_handle if self.copies else 0
+        d2h = self._d2h_handle
         self._copy(slot, "host_tokens", "out_tokens", rows, d2h)
         if read_logprobs:
             for dst, src in (("host_logprobs", "out_logprobs"), ("host_ranks", "out_ranks"),
@@ -237,11 +241,11 @@ class Pipeline:
     def _copy(self, slot: Slot, dst: str, src: str, rows: int, stream: int) -> None:
         """The first rows rows of slot buffer src into slot buffer dst: a driver copy queued on the stream (its
         handle) with CUDA, torch's copy_ without."""
+        lead = slot.leading(dst, src, rows)
         if self.copies is not None:
-            self.copies.copy(*slot.leading_bytes(dst, src, rows), stream)
+            self.copies.copy(*lead.copy_args, stream)
         else:
-            to, source = slot.leading_views(dst, src, rows)
-            to.copy_(source)
+            lead.dst.copy_(lead.src)
 
     def wait(self, slot: Slot) -> None:
         """Block until slot's results are in host memory: the engine loop's only synchronisation."""

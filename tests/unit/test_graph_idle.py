@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.executor.graph_idle import idle_per_replay
+from backend.executor.graph_idle import idle_per_replay, is_kernel
 
 SPIN = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
 
@@ -33,3 +33,9 @@ def test_a_record_that_does_not_match_the_replays_gives_none():
     assert idle_per_replay([(SPIN, 1, 0.0, 1.0), (SPIN, 1, 1.0, 2.0), ("k", 1, 2.0, 3.0)], [[1.0], [1.0]]) is None
     assert idle_per_replay([(SPIN, 1, 0.0, 1.0), (SPIN, 2, 1.0, 2.0)], [[1.0], [1.0]]) is None  # two spin streams
     assert idle_per_replay([("k", 1, 0.0, 1.0)], [[1.0]]) is None  # no spin kernel at all
+
+
+def test_copies_and_memsets_are_not_kernels():
+    assert is_kernel("gemm") and is_kernel(SPIN)
+    for name in ("Memcpy HtoD (Pinned -> Device)", "Memset (Device)", "cudaMemcpyAsync", "cudaMemsetAsync"):
+        assert not is_kernel(name)
