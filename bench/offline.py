@@ -126,6 +126,7 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        engine.timeline.copy_spans = bool(args.timeline)  # the picture shows the copy streams; busy never counts them
         engine.set_timeline(True)
         run = lambda: stream_all(engine, prompts, params) if args.stream else engine.generate(prompts, params)  # noqa: E731
         kernel_busy, kernels = None, []

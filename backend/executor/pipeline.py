@@ -204,7 +204,7 @@ class Pipeline:
         tl = self.timeline
         # why: the previous step that used this slot must have finished reading its device inputs
         slot.compute_done.wait(self.h2d_stream)
-        tl.gpu_begin("h2d", self.h2d_stream)
+        tl.gpu_begin("h2d", self.h2d_stream, copy=True)
         self._copy(slot, "dev_inputs", "host_inputs", slot.input_bytes(n_i32), self._h2d_handle)
         tl.gpu_end("h2d", self.h2d_stream, gap_free=True)  # one copy: no launch gaps
         # why: compute may start only once this step's inputs are on the device
@@ -225,7 +225,7 @@ class Pipeline:
         finally:
             self._use(self.home_stream)
         slot.compute_done.wait(self.d2h_stream)
-        tl.gpu_begin("d2h", self.d2h_stream)
+        tl.gpu_begin("d2h", self.d2h_stream, copy=True)
         d2h = self._d2h_handle
         self._copy(slot, "host_tokens", "out_tokens", rows, d2h)
         if read_logprobs:

@@ -9,7 +9,8 @@ length, measured once per graph after capture (backend/executor/graph_idle.py), 
 of the busy figures; a replay of a graph whose idle was not measured makes its span uncertain.
 The busy figures count exact spans only, less their idle (a lower bound, kernel time when nothing is uncertain);
 the uncertain share is the wall time that only uncertain spans cover, so busy + uncertain + idle is the union of
-every span (an upper bound).
+every span (an upper bound). Copy spans (a step's host-to-device and device-to-host copies) are no kernel time and
+count in neither; they are recorded only when asked for (copy_spans), for the picture of the three streams.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class Span:
     step: int
     exact: bool = True  # GPU row: the span holds no launch gaps (see the module's docstring)
     idle: float = 0.0  # GPU row: seconds of the span known to be idle (inside replayed graphs)
+    kernels: bool = True  # GPU row: kernel work, counted by the busy figures (False: a copy, shown only)
 
 
 MAX_SPANS = 500_000  # about 45,000 steps: a whole benchmark, or a server's last minutes (older spans drop off)
@@ -119,13 +121,17 @@ _NO_SPAN = contextlib.nullcontext()  # a disabled timeline's span: reusable, rec
 class Timeline:
     """Records spans at low cost when enabled; switchable at run time; does nothing when disabled."""
 
-    def __init__(self, enabled: bool = False, use_cuda: bool = False, max_spans: int = MAX_SPANS) -> None:
+    def __init__(self, enabled: bool = False, use_cuda: bool = False, max_spans: int = MAX_SPANS,
+                 copy_spans: bool = False) -> None:
         self.use_cuda = use_cuda
         self.enabled = False
+        # record copy spans too: they are no kernel time, so only a picture of the streams needs them (each costs
+        # two events and a query a step)
+        self.copy_spans = copy_spans
         self.spans: collections.deque[Span] = collections.deque(maxlen=max_spans)
-        # (name, start event, end event, step, exact, idle seconds), in recording order
-        self._pending_gpu: collections.deque[tuple[str, object, object, int, bool, float]] = collections.deque()
-        self._open_gpu: dict[str, object] = {}
+        # (name, start event, end event, step, exact, idle seconds, kernels), in recording order
+        self._pending_gpu: collections.deque[tuple[str, object, object, int, bool, float, bool]] = collections.deque()
+        self._open_gpu: dict[str, tuple[object, bool]] = {}  # name -> (start event or time, kernels)
         self._free_events: list = []
         self._step = 0
         self._origin = time.perf_counter()
@@ -185,15 +191,17 @@ class Timeline:
             with self._resolve_lock:
                 self._resolve_finished()
 
-    def gpu_begin(self, name: str, stream) -> None:
-        if not self.enabled:
+    def gpu_begin(self, name: str, stream, copy: bool = False) -> None:
+        """Start the span `name` on stream; copy: its work is a copy, no kernel time (recorded only with
+        copy_spans)."""
+        if not self.enabled or (copy and not self.copy_spans):
             return
         if self.use_cuda:
             ev = self._event()
             ev.record(stream)  # why: marks when the stream reaches this point, not when the CPU did
-            self._open_gpu[name] = ev
+            self._open_gpu[name] = (ev, not copy)
         else:
-            self._open_gpu[name] = self.now()
+            self._open_gpu[name] = (self.now(), not copy)
 
     def gpu_end(self, name: str, stream, gap_free: bool = False, idle_s: float | None = 0.0) -> None:
         """End the span `name` on stream, once its work is queued. gap_free: the launcher knows that work holds no
@@ -202,7 +210,7 @@ class Timeline:
         (the span is then uncertain)."""
         if not self.enabled or name not in self._open_gpu:
             return
-        start = self._open_gpu.pop(name)
+        start, kernels = self._open_gpu.pop(name)
         if self.use_cuda:
             # why: a start event the GPU has not executed yet means every launch of the span was queued before the
             # GPU got there, so its kernels run back to back; one already executed means the GPU may have idled
@@ -210,13 +218,15 @@ class Timeline:
             exact = (gap_free or not start.query()) and idle_s is not None
             ev = self._event()
             ev.record(stream)  # why: the end of this stream's work for the span
-            self._pending_gpu.append((name, start, ev, self._step, exact, idle_s or 0.0))
+            self._pending_gpu.append((name, start, ev, self._step, exact, idle_s or 0.0, kernels))
         else:
             # exact: the CPU runs the span's work synchronously inside it, so no device sits idle between launches
-            self._add_gpu_span(Span("gpu", name, start, self.now(), self._step))
+            self._add_gpu_span(Span("gpu", name, start, self.now(), self._step, kernels=kernels))
 
     def _add_gpu_span(self, span: Span) -> None:
         self.spans.append(span)
+        if not span.kernels:  # a copy: in the picture, not in the busy figures
+            return
         if span.exact:
             self._exact.add(span.start, span.end, span.idle)
         self._covered.add(span.start, span.end, span.idle)
@@ -228,9 +238,9 @@ class Timeline:
         while pending and pending[0][3] < self._step - 1 and pending[0][2].query():
             self._resolve_one(*pending.popleft())
 
-    def _resolve_one(self, name: str, s, e, step: int, exact: bool, idle: float) -> None:
+    def _resolve_one(self, name: str, s, e, step: int, exact: bool, idle: float, kernels: bool) -> None:
         start, end = self._anchor.elapsed_time(s) / 1e3, self._anchor.elapsed_time(e) / 1e3
-        self._add_gpu_span(Span("gpu", name, start, end, step, exact, min(idle, max(0.0, end - start))))
+        self._add_gpu_span(Span("gpu", name, start, end, step, exact, min(idle, max(0.0, end - start)), kernels))
         self._free_events += (s, e)  # both done (s was recorded before e on the same stream): reusable
 
     def resolve(self) -> None:
@@ -284,6 +294,7 @@ class Timeline:
                     "steps": 0, "wall_s": 0.0}
         start = min([g.start for g in gpu] + [c.start for c in cpu])
         end = max([g.end for g in gpu] + [c.end for c in cpu])
+        gpu = [g for g in gpu if g.kernels]  # copies are no kernel time
         exact = [g for g in gpu if g.exact]
         busy = max(0.0, union_length([(g.start, g.end) for g in exact]) - sum(g.idle for g in exact))
         covered = union_length([(g.start, g.end) for g in gpu]) - sum(g.idle for g in exact)

@@ -65,10 +65,10 @@ def test_gpu_spans_resolve_a_few_each_step_in_order_stopping_at_one_still_runnin
     tl = Timeline(enabled=True)
     tl.use_cuda, tl._anchor = True, _FakeEvent(0.0)
     running = _FakeEvent(2.5, done=False)
-    for item in [("h2d", _FakeEvent(0.0), _FakeEvent(0.5), 0, True, 0.0),
-                 ("compute", _FakeEvent(0.5), _FakeEvent(2.0), 0, True, 0.0),
-                 ("compute", _FakeEvent(2.0), running, 1, True, 0.0),
-                 ("d2h", _FakeEvent(2.5), _FakeEvent(2.6), 1, True, 0.0)]:
+    for item in [("h2d", _FakeEvent(0.0), _FakeEvent(0.5), 0, True, 0.0, False),
+                 ("compute", _FakeEvent(0.5), _FakeEvent(2.0), 0, True, 0.0, True),
+                 ("compute", _FakeEvent(2.0), running, 1, True, 0.0, True),
+                 ("d2h", _FakeEvent(2.5), _FakeEvent(2.6), 1, True, 0.0, False)]:
         tl._pending_gpu.append(item)
     tl.next_step()  # step 1: nothing is two steps old yet
     assert not [s for s in tl.spans if s.row == "gpu"]
@@ -328,3 +328,23 @@ def test_idle_polls_of_the_loop_record_no_spans(tmp_path):
     names = [s.name for s in spans]
     assert names.count("schedule") == names.count("pack") > 0
     assert max(s.end for s in spans) == last_end
+
+
+def test_copy_spans_are_recorded_only_when_asked_and_never_count_as_busy():
+    """A step's host-to-device and device-to-host copies are no kernel time: GPU busy is the kernels' share."""
+    for copy_spans in (False, True):
+        events = [_FakeEvent(t) for t in (0.0, 1.0, 1.0, 2.0, 2.0, 4.0)]  # h2d 0-1, compute 1-2, d2h 2-4
+        tl = _cuda_timeline(events)
+        tl.copy_spans = copy_spans
+        for name, copy in (("h2d", True), ("compute", False), ("d2h", True)):
+            tl.gpu_begin(name, None, copy=copy)
+            tl.gpu_end(name, None, gap_free=True)
+        tl.resolve()
+        assert [(s.name, s.kernels) for s in tl.spans] == (
+            [("h2d", False), ("compute", True), ("d2h", False)] if copy_spans else [("compute", True)])
+        summary = tl.summary()
+        wall = 4.0 if copy_spans else 1.0  # the window runs from the first span to the last
+        assert summary["gpu_busy_fraction"] == 1.0 / wall and summary["gpu_busy_uncertain_fraction"] == 0.0
+        tl._mark = (0.0, 0.0, 0.0)
+        tl.now = lambda: 4.0
+        assert tl.recent_busy_fraction() == 0.25  # the running union: compute's 1 s of the 4 s since the mark
