@@ -62,7 +62,7 @@ class SteadyBatch:
 
     # per-row int64 arrays: the rows of one matrix (_ints), so a row change rebuilds one array, not six; each name
     # is a view of its matrix row (in-place updates reach the matrix), rebound whenever the matrix is replaced
-    _INTS = ("computed", "token_cap", "num_blocks", "table_rows", "src_rows")
+    _INTS = ("computed", "kv_slots", "token_cap", "num_blocks", "table_rows", "src_rows")
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
         self.block_size = block_size
@@ -97,12 +97,15 @@ class SteadyBatch:
 
     def _columns(self, reqs: list[Request], src_rows) -> np.ndarray:
         """The per-row values for reqs, read from the requests themselves: (len(_INTS), rows) ints."""
-        cap = self.max_model_len
+        cap, bs = self.max_model_len, self.block_size
         # computed: tokens whose KV is written or queued (== request.num_computed_tokens while this batch is
-        # current); token_cap: a row may take a steady step only while its token count stays below it (max_tokens,
+        # current); kv_slots: the KV cache slot of the last of them (a row's blocks cover its tokens exactly, so the
+        # next position lies in its last block or in the block added for it); token_cap: a row may take a steady step only while its token count stays below it (max_tokens,
         # max_model_len); src_rows: its row in the step packed last (carry-over reads that step's sampled token
         # from there)
         return np.array([[r.num_computed_tokens for r in reqs],
+                         [r.block_ids[(r.num_computed_tokens - 1) // bs] * bs + (r.num_computed_tokens - 1) % bs
+                          for r in reqs],
                          [min(cap, r.num_prompt_tokens + r.params.max_tokens) for r in reqs],
                          [len(r.block_ids) for r in reqs],
                          self._store_tables(reqs),
@@ -132,7 +135,7 @@ class SteadyBatch:
 
     def _set_arrays(self, ints: np.ndarray) -> None:
         self._ints = ints
-        self.computed, self.token_cap, self.num_blocks, self.table_rows, self.src_rows = ints
+        self.computed, self.kv_slots, self.token_cap, self.num_blocks, self.table_rows, self.src_rows = ints
 
     def _index_rows(self) -> None:
         streamed = self.streamed
@@ -254,13 +257,16 @@ class SteadyBatch:
         return (self.computed >= self.num_blocks * self.block_size).nonzero()[0]
 
     def add_block(self, row: int, block: int) -> None:
+        """The row's next token starts a block: this one."""
         self.table_store[self.table_rows[row], self.num_blocks[row]] = block
         self.num_blocks[row] += 1
+        self.kv_slots[row] = block * self.block_size - 1  # the next advance moves it to the block's first slot
 
     def add_blocks(self, rows: np.ndarray, blocks: list[int]) -> None:
         """add_block for each of rows (distinct rows), at once."""
         self.table_store[self.table_rows[rows], self.num_blocks[rows]] = blocks
         self.num_blocks[rows] += 1
+        self.kv_slots[rows] = np.asarray(blocks) * self.block_size - 1
 
     def advance(self, step_id: int) -> None:
         """Count one scheduled token for every row: the requests' counters and the arrays, in step."""
@@ -269,7 +275,7 @@ class SteadyBatch:
             req.num_pending += 1
             req.num_tokens += 1
             req.last_step_id = step_id
-        self.computed += 1
+        self._ints[:2] += 1  # computed and kv_slots: one more token each, in its row's last block
 
     def rows_that_may_end(self, tokens: list[int]) -> np.ndarray:
         """Rows this step's tokens may end, which the general update must look at: near a length limit, or a

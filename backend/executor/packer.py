@@ -8,6 +8,7 @@ import numpy as np
 
 from backend.core.kv_cache import NULL_BLOCK
 from backend.core.scheduler import ScheduledBatch
+from backend.core.steady_batch import SteadyBatch
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
 from backend.executor.sampler import SamplingTensors, fill_padding_rows, fill_request_rows, pad_token_table, \
     tensors_from_rows
@@ -76,11 +77,14 @@ class SlotPacker:
             self._pack_steady(st, prev)
             if len(batch) > first:  # joiners of the run, by the general rules
                 self._pack_mixed(st, prev, first)
+                slot.arange_rows = first  # rows [0, first] still hold the steady rows' offsets; the joiners' follow
                 self._write_block_tables(slot, batch.requests[first:], first)
             elif padding is not None and first < padding[1]:  # the steady rows wrote rows [0, first) only
                 slot.decode_padding = (max(first, padding[0]), padding[1])
             batch.steady.packed(st.sampled)
             return st
+        slot.steady_tables = None  # the general path writes rows [0, len(batch)) its own way
+        slot.arange_rows = 0
         if batch.is_decode_only:
             self._pack_decode(st, prev)
         else:
@@ -113,25 +117,43 @@ class SlotPacker:
     def _pack_steady(self, st: StepState, prev: StepState | None) -> None:
         """The steady batch's rows (the previous step's, less any that left), one token each: every column from
         its arrays."""
-        h, bs, sb = st.slot.np, self.block_size, st.batch.steady
-        n = len(sb)
-        pos = sb.computed - 1  # (n,) the position each row feeds
+        slot, sb = st.slot, st.batch.steady
+        h, n = slot.np, len(sb)
         if prev is not None:  # still on the device: row i's input is the token it samples in row src_rows[i]
             h["carry_src"][:n] = sb.src_rows  # every row carries over: its input_ids entry is never read
         else:  # read already (synchronous mode): row i's input is the token the other slot read back there
             h["input_ids"][:n] = self.pipeline.other(st.slot).host_tokens.numpy()[sb.src_rows]
             h["carry_src"][:n] = -1
-        h["positions"][:n] = pos
-        h["slot_mapping"][:n] = sb.table_store[sb.table_rows, pos // bs] * bs + pos % bs
+        np.subtract(sb.computed, 1, out=h["positions"][:n])  # the position each row feeds
+        h["slot_mapping"][:n] = sb.kv_slots
         h["seq_lens"][:n] = sb.computed
-        h["query_start_loc"][:n + 1] = self._arange[:n + 1]
-        h["logits_idx"][:n] = self._arange[:n]
-        # whole rows, gathered straight into the slot (the store's width is the slot's); mode="clip" because with
-        # out= numpy's default bounds mode gathers into a temporary first, and every table row index is in range
-        np.take(sb.table_store, sb.table_rows, axis=0, out=h["block_tables"][:n], mode="clip")
-        st.slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
+        if slot.arange_rows < n:  # one row, one token, one logits row each
+            h["query_start_loc"][:n + 1] = self._arange[:n + 1]
+            h["logits_idx"][:n] = self._arange[:n]
+            slot.arange_rows = n
+        self._write_steady_tables(slot, sb)
         st.sampled = list(sb.requests)
         st.steady_version = sb.version
+
+    @staticmethod
+    def _write_steady_tables(slot: Slot, sb: SteadyBatch) -> None:
+        """The steady rows' block tables into the slot's rows [0, rows): only the blocks added since the slot was
+        last packed from the same rows (two steps ago: a block at most per row), else whole rows."""
+        n, tables, held = len(sb), slot.np["block_tables"], slot.steady_tables
+        if held is not None and held[0] is sb and held[1] == sb.version:
+            before = held[2]
+            grown = (sb.num_blocks != before).nonzero()[0]
+            if not grown.size or (sb.num_blocks[grown] - before[grown]).max() == 1:
+                if grown.size:
+                    cols = before[grown]
+                    tables[grown, cols] = sb.table_store[sb.table_rows[grown], cols]
+                slot.steady_tables = (sb, sb.version, sb.num_blocks.copy())
+                return
+        # whole rows, gathered straight into the slot (the store's width is the slot's); mode="clip" because with
+        # out= numpy's default bounds mode gathers into a temporary first, and every table row index is in range
+        np.take(sb.table_store, sb.table_rows, axis=0, out=tables[:n], mode="clip")
+        slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
+        slot.steady_tables = (sb, sb.version, sb.num_blocks.copy())
 
     def _pack_mixed(self, st: StepState, prev: StepState | None, first: int = 0) -> None:
         """Prefill chunks (every token known on the host) beside decode rows; from request `first` on (the ones

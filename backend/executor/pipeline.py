@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from backend.executor.sampler import SampleTargets
@@ -63,6 +64,12 @@ class Slot:
         self._sampling_views: dict[int, tuple[torch.Tensor, ...]] = {}
         # per block-table row: (the request's block list, blocks written), so a step writes only new blocks
         self.table_owners: list[tuple[list[int], int] | None] = [None] * S
+        # (steady batch, its version, each row's block count) when rows [0, rows) hold that batch's block tables as
+        # they stood when this slot was last packed from it, or None: the next steady pack writes only the new blocks
+        self.steady_tables: tuple[object, int, np.ndarray] | None = None
+        # leading rows whose query_start_loc ([0, rows]) and logits_idx ([0, rows)) hold 0, 1, 2, ... in the host
+        # buffers (one token and one logits row each, as steady and padding rows have): the steady pack skips them
+        self.arange_rows = 0
         # rows [start, end) that hold a decode graph's padding in the host buffers since the packer wrote it, or None
         self.decode_padding: tuple[int, int] | None = None
         # outputs: sampled tokens and their logprobs, written by the compute stream, read back by D2H
@@ -84,6 +91,12 @@ class Slot:
         self.d2h_done = _Event(use_cuda)
         self.in_use = False  # a launched step's results are still unread
         self._leading: dict[tuple[str, str, int], LeadingRows] = {}
+
+    def forget_tables(self) -> None:
+        """The host block tables hold nothing known: the next pack writes whole rows."""
+        self.table_owners = [None] * len(self.table_owners)
+        self.steady_tables = None
+        self.arange_rows = 0
 
     def input_bytes(self, n_i32: int) -> int:
         """Bytes of the input buffer a step copies over: every region, the int32 one up to n_i32 elements."""

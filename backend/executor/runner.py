@@ -99,7 +99,7 @@ class ModelRunner:
             for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables", "query_start_loc",
                          "logits_idx"):
                 d[name].zero_()  # as the slot was made: a step's pack writes only the parts it changes
-            slot.table_owners = [None] * len(slot.table_owners)  # so the next pack writes whole block-table rows
+            slot.forget_tables()  # so the next pack writes whole block-table rows
         if self.device.type == "cuda":
             # why: the first step's host-to-device copies run on another stream and must not race these resets
             torch.cuda.synchronize(self.device)

@@ -251,7 +251,8 @@ def test_steady_sampling_rows_follow_rows_leaving_and_joining():
         params = SamplingParams(max_tokens=50, temperature=0.5 + 0.1 * i, top_p=0.9 if i % 2 else 1.0,
                                 top_k=i % 3 * 10, seed=i)
         req = Request(f"r{i}", [3] * (4 + i), params, seed=1000 + i, eos_token_ids=frozenset({2}))
-        req.num_computed_tokens, req.block_ids = req.num_prompt_tokens + i, [i + 1]
+        req.num_computed_tokens = req.num_prompt_tokens + i
+        req.block_ids = [2 * i + 1, 2 * i + 2][:-(-req.num_computed_tokens // 16)]  # blocks cover its tokens
         req.num_tokens = req.num_prompt_tokens + i + 1  # i + 1 output tokens
         return req
 
@@ -296,7 +297,8 @@ def test_plain_greedy_steady_rows_sample_as_neutral_greedy_rows_without_reading_
     def request(i, **kw):
         req = Request(f"r{i}", [3] * (4 + i), SamplingParams(max_tokens=50, seed=i, **kw), seed=1000 + i,
                       eos_token_ids=frozenset({2}))
-        req.num_computed_tokens, req.block_ids = req.num_prompt_tokens + i, [i + 1]
+        req.num_computed_tokens = req.num_prompt_tokens + i
+        req.block_ids = [2 * i + 1, 2 * i + 2][:-(-req.num_computed_tokens // 16)]  # blocks cover its tokens
         req.num_tokens = req.num_prompt_tokens + i + 1
         return req
 
@@ -449,3 +451,44 @@ def test_steady_rows_with_logit_edits_match_the_general_path(root, async_pipelin
     assert on_steps > 20 and off_steps == 0
     assert on_blocks == off_blocks == 0
     assert on[4].finish_reason == "stop" and len(on[4].token_ids) == on[4].token_ids.index(on[4].token_ids[-1]) + 1
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_each_steady_pack_writes_every_rows_kv_slot_and_block_table_as_its_request_holds_them(
+        root, async_pipeline, monkeypatch):
+    """The steady rows' KV slots are kept as arrays (one more each step, a new block's first slot when one starts)
+    and their block tables written whole only when rows changed since the slot's last pack: after every steady pack
+    each row's slot and table are what its request's blocks give."""
+    from backend.executor.packer import SlotPacker
+
+    checked, incremental = [0], [0]
+    real_pack, real_tables = SlotPacker._pack_steady, SlotPacker._write_steady_tables
+
+    def tables(slot, sb):
+        held = slot.steady_tables
+        incremental[0] += held is not None and held[0] is sb and held[1] == sb.version
+        real_tables(slot, sb)
+
+    def pack(self, st, prev):
+        real_pack(self, st, prev)
+        h, bs = st.slot.np, self.block_size
+        for i, req in enumerate(st.batch.steady.requests):
+            pos = req.num_computed_tokens - 1
+            assert h["positions"][i] == pos
+            assert h["slot_mapping"][i] == req.block_ids[pos // bs] * bs + pos % bs
+            assert h["block_tables"][i, :len(req.block_ids)].tolist() == req.block_ids
+            assert h["query_start_loc"][i + 1] == i + 1 and h["logits_idx"][i] == i
+        checked[0] += 1
+
+    monkeypatch.setattr(SlotPacker, "_pack_steady", pack)
+    monkeypatch.setattr(SlotPacker, "_write_steady_tables", staticmethod(tables))
+    path = build_tiny("llama", root)
+    prompts = random_prompts([3, 9, 4, 14, 6, 11, 5, 8, 13, 7], seed=29)
+    lengths = [21, 9, 30, 14, 26, 7, 18, 33, 11, 24]
+    engine = make_engine(path, async_pipeline, max_num_seqs=5)
+    try:
+        outs = engine.generate(prompts, [greedy(n) for n in lengths])
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, n) for p, n in zip(prompts, lengths)]
+    assert checked[0] > 30 and 0 < incremental[0] < checked[0]
