@@ -191,10 +191,11 @@ class Request:
     output_logprobs: list[Any] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is written or queued to be written
-    num_pending: int = 0  # tokens sampled on the device but not yet read back (0 or 1)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash of each full block, in order
-    last_step_id: int = -1  # newest step that holds this request (may still be on the device)
+    # newest step that holds this request (may still be on the device); a steady batch's rows have theirs set when
+    # they leave the batch (SteadyBatch.last_step_id until then)
+    last_step_id: int = -1
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_reason: str | None = None
     blocks_freed: bool = False
@@ -202,7 +203,7 @@ class Request:
     first_token_time: float | None = None
     # counters kept in step with the lists (read every step for every request, so not recomputed)
     num_prompt_tokens: int = 0
-    num_tokens: int = 0  # prompt + outputs + tokens still on the device
+    num_tokens: int = 0  # prompt + outputs + tokens still on the device (num_pending)
     # greedy, no logprobs, penalties or min_tokens: a decode graph's own argmax is its final token
     plain_greedy: bool = False
     stop_ids: frozenset[int] = frozenset()  # tokens that end the request: stop_token_ids, and EOS unless ignored
@@ -227,21 +228,23 @@ class Request:
             self.group_id = self.request_id
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending
+        self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens sampled on the device but not read back yet (0, 1, or 2 while two steps are queued)."""
+        return self.num_tokens - self.num_prompt_tokens - len(self.output_token_ids)
 
     def add_pending(self) -> None:
         """A queued step will sample this request's next token."""
-        self.num_pending += 1
         self.num_tokens += 1
 
     def accept_token(self, token: int) -> None:
         """A pending token arrived on the host."""
-        self.num_pending -= 1
         self.output_token_ids.append(token)
 
     def drop_pending(self) -> None:
         """A pending token arrived after the request finished: it is not part of the output."""
-        self.num_pending -= 1
         self.num_tokens -= 1
 
     @property

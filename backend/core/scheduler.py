@@ -75,8 +75,15 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self._forked.clear()
-        self.steady = None
+        self._end_steady()
         self._last_requests = []
+
+    def _end_steady(self) -> None:
+        """The steady run ends (rows changed beyond its rules, blocks ran out, a preemption): its rows' requests are
+        brought up to date."""
+        if self.steady is not None:
+            self.steady.release_rows()
+            self.steady = None
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step: running requests first (oldest first), then waiting ones in arrival order."""
@@ -87,7 +94,7 @@ class Scheduler:
             batch = self._schedule_steady(self.steady)
             if batch is not None:
                 return batch
-            self.steady = None
+            self._end_steady()
         batch = self._schedule_general()
         if batch is not None and self.steady_decode:
             self._maybe_start_steady(batch)
@@ -229,7 +236,7 @@ class Scheduler:
         """Free req's blocks and requeue it first in line; it recomputes its tokens when readmitted, from the cached
         blocks it still finds (its full blocks are hashed first)."""
         del self.running[req]
-        self.steady = None
+        self._end_steady()
         self.block_manager.register_full_blocks(req, req.num_computed_tokens)
         self.block_manager.free(req)
         req.blocks_freed = False

@@ -29,6 +29,7 @@ class PackedRows:
 
     streamed_rows: list[int]
     streamed_ids: list[str]
+    appends: list  # each row's output_token_ids.append
     stop_ids: frozenset
     computed: np.ndarray  # (rows,) tokens counted, this step's included
     token_cap: np.ndarray  # (rows,)
@@ -41,12 +42,12 @@ class PackedRows:
         return risky.nonzero()[0]
 
 
-def accept_pending(requests: list[Request], tokens: list[int], keep: list[bool] | None = None) -> None:
-    """Request.accept_token for each of requests (with keep: those it marks) and its token, in one short loop."""
-    pairs = zip(requests, tokens) if keep is None else compress(zip(requests, tokens), keep)
-    for req, tok in pairs:
-        req.num_pending -= 1
-        req.output_token_ids.append(tok)
+def accept_pending(appends: list, tokens: list[int], keep: list[bool] | None = None) -> None:
+    """Request.accept_token for each row (with keep: those it marks) and its token, in one short loop: appends holds
+    each row's output_token_ids.append (a request's pending count follows its token lists)."""
+    pairs = zip(appends, tokens) if keep is None else compress(zip(appends, tokens), keep)
+    for append, tok in pairs:
+        append(tok)
 
 
 def mask_without(n: int, rows: list[int]) -> list[bool]:
@@ -70,6 +71,10 @@ class SteadyBatch:
         self.max_blocks = max_blocks
         self.requests = list(requests)
         self.request_ids = [r.request_id for r in self.requests]
+        # each row's output_token_ids.append, replaced (never changed in place) when rows leave or join, so a packed
+        # step's rows keep theirs
+        self.appends = [r.output_token_ids.append for r in self.requests]
+        self.last_step_id = max((r.last_step_id for r in self.requests), default=-1)  # the rows' newest step
         self._members = set(self.requests)  # the rows' requests (hashed by identity): a finished non-row is O(1)
         # (capacity, max_blocks) the rows' KV blocks: row i's in store row table_rows[i], so a row that leaves or
         # joins moves one index, not the tables of the rows after it; a row's entries past its num_blocks are stale
@@ -171,8 +176,11 @@ class SteadyBatch:
         keep = np.ones(len(self.requests), dtype=bool)
         keep[rows] = False
         self._free_store_rows.extend(self.table_rows[rows].tolist())
+        self.appends = list(compress(self.appends, keep.tolist()))
         for row in sorted(rows.tolist(), reverse=True):  # a few rows: each del moves the rows after it, in C
-            self._members.discard(self.requests[row])
+            req = self.requests[row]
+            req.last_step_id = self.last_step_id  # it leaves the rows: its own count of steps is current again
+            self._members.discard(req)
             del self.requests[row], self.request_ids[row], self.streamed[row]
         self._set_arrays(self._ints[:, keep])
         self._index_rows()
@@ -185,7 +193,7 @@ class SteadyBatch:
         n = len(self.requests)
         self.joiner_rows = {id(r): row for row, r in enumerate(sampled[n:], start=n)} if len(sampled) > n else {}
         # the lists below are replaced, never changed in place, when rows leave or join: references suffice
-        self.packed_rows[self.version] = PackedRows(self.streamed_rows, self.streamed_ids, self.stop_ids,
+        self.packed_rows[self.version] = PackedRows(self.streamed_rows, self.streamed_ids, self.appends, self.stop_ids,
                                                     self.computed.copy(), self.token_cap)
         while len(self.packed_rows) > 3:  # the steps in flight need theirs; versions may jump several a step
             del self.packed_rows[next(iter(self.packed_rows))]  # the oldest (dicts keep insertion order)
@@ -205,6 +213,7 @@ class SteadyBatch:
 
     def _append(self, reqs: list[Request], src_rows: np.ndarray) -> None:
         self.requests.extend(reqs)
+        self.appends = self.appends + [r.output_token_ids.append for r in reqs]
         self._members.update(reqs)
         self.request_ids.extend(r.request_id for r in reqs)
         self.streamed.extend(not r.final_only for r in reqs)
@@ -269,12 +278,12 @@ class SteadyBatch:
         self.kv_slots[rows] = np.asarray(blocks) * self.block_size - 1
 
     def advance(self, step_id: int) -> None:
-        """Count one scheduled token for every row: the requests' counters and the arrays, in step."""
+        """Count one scheduled token for every row: the requests' counters and the arrays, in step. The rows' newest
+        step is the batch's (last_step_id), written to each request when it leaves (release_rows, _delete)."""
         for req in self.requests:
             req.num_computed_tokens += 1
-            req.num_pending += 1
             req.num_tokens += 1
-            req.last_step_id = step_id
+        self.last_step_id = step_id
         self._ints[:2] += 1  # computed and kv_slots: one more token each, in its row's last block
 
     def rows_that_may_end(self, tokens: list[int]) -> np.ndarray:
@@ -287,7 +296,12 @@ class SteadyBatch:
 
     def accept(self, tokens: list[int], keep: list[bool] | None = None) -> None:
         """Every row's pending token (with keep: the rows it marks) arrived and ends no request."""
-        accept_pending(self.requests, tokens, keep)
+        accept_pending(self.appends, tokens, keep)
+
+    def release_rows(self) -> None:
+        """The batch is no longer the scheduler's: its rows' requests take their newest step back."""
+        for req in self.requests:
+            req.last_step_id = self.last_step_id
 
     def events(self, tokens: list[int], keep: list[bool] | None = None) -> list[tuple[str, int]]:
         """(request_id, token) for each streamed row (with keep: of the rows it marks), made into outputs by the

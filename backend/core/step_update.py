@@ -127,7 +127,7 @@ class StepUpdater:
             if kept[i] and req.is_finished:  # finished while this step was queued: its token is dropped, no event
                 req.drop_pending()
                 kept[i] = False
-        accept_pending(requests, tokens, kept)
+        accept_pending(packed.appends, tokens, kept)
         events = [(rid, tokens[i]) for rid, i in zip(packed.streamed_ids, packed.streamed_rows) if kept[i]]
         return events, risky
 

@@ -492,3 +492,45 @@ def test_each_steady_pack_writes_every_rows_kv_slot_and_block_table_as_its_reque
         engine.shutdown()
     assert [o.token_ids for o in outs] == [hf_greedy(path, p, n) for p, n in zip(prompts, lengths)]
     assert checked[0] > 30 and 0 < incremental[0] < checked[0]
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_a_finishing_request_knows_the_newest_step_that_holds_it_and_its_pending_count_follows_its_tokens(
+        root, async_pipeline, monkeypatch):
+    """Steady rows do not count their steps one by one: the batch does, and a request that leaves the rows takes
+    the count back. Whenever a request finishes, its newest step is the newest scheduled step holding it (a step
+    still queued then frees its blocks only after it ran), and its pending tokens are its count less its lists."""
+    from backend.core.scheduler import Scheduler
+    from backend.core.step_update import StepUpdater
+
+    newest: dict[int, int] = {}
+    real_schedule, real_finish = Scheduler.schedule, StepUpdater.finish
+    finished = []
+
+    def schedule(self):
+        batch = real_schedule(self)
+        if batch is not None:
+            for req in batch.requests:
+                newest[id(req)] = batch.step_id
+        return batch
+
+    def finish(self, req, reason, next_state):
+        was_finished = req.is_finished
+        real_finish(self, req, reason, next_state)
+        if not was_finished:
+            assert req.last_step_id == newest[id(req)]
+            assert req.num_pending == req.num_tokens - req.num_prompt_tokens - len(req.output_token_ids) >= 0
+            finished.append(req)
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    monkeypatch.setattr(StepUpdater, "finish", finish)
+    path = build_tiny("llama", root)
+    prompts = random_prompts([6, 3, 12, 5, 9, 4, 15, 7], seed=41)
+    lengths = [17, 28, 9, 22, 13, 31, 6, 19]
+    engine = make_engine(path, async_pipeline, max_num_seqs=4)
+    try:
+        outs = engine.generate(prompts, [greedy(n) for n in lengths])
+        assert engine.stats()["steady_steps"] > 0
+    finally:
+        engine.shutdown()
+    assert [len(o.token_ids) for o in outs] == lengths and len(finished) == len(prompts)
