@@ -80,7 +80,8 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = load_model(path, dtype=dtype, device=device, attention_backend=backend,
                            linear_backend=config.linear_backend,
-                           dependent_launch=_dependent_launch(config.dependent_launch, backend, device))
+                           dependent_launch=_dependent_launch(config.dependent_launch, backend, device),
+                           plain_mixed_steps=config.dependent_launch in ("auto", "decode"))
     spec = model.spec
     max_len = config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_MAX_LEN_CAP)
     if max_len > spec.max_position_embeddings:
@@ -106,9 +107,11 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
 
 
 def _dependent_launch(setting: str, backend: str, device: torch.device) -> bool:
-    """auto: on for the triton path on GPUs with programmatic dependent launch (compute capability 9.0+)."""
+    """Whether the Triton kernels launch as programmatic dependents: on and decode (which leaves mixed steps plain:
+    load_model's plain_mixed_steps) say so; auto is decode for the triton path on GPUs with programmatic dependent
+    launch (compute capability 9.0+)."""
     if setting != "auto":
-        return setting == "on"
+        return setting in ("on", "decode")
     return backend == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 

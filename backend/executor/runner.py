@@ -68,8 +68,9 @@ class ModelRunner:
         lay = self.layout
         # max_query_len > 1 takes the attention kernel that reads query lengths on the device
         meta = self.metadata(slot, lay.max_seqs, tokens, lay.max_blocks, max(2, tokens), lay.max_blocks * self.block_size)
-        hidden = self.model(ids, slot.dev["positions"][:tokens], self.kv_cache, meta)  # (tokens, H)
-        return self.model.compute_logits(hidden[slot.dev["logits_idx"][:rows]], out=logits_out)  # (rows, V)
+        with self.model.mixed_step_launches():  # the mixed-step ops (dependent_launch "auto": plain launches)
+            hidden = self.model(ids, slot.dev["positions"][:tokens], self.kv_cache, meta)  # (tokens, H)
+            return self.model.compute_logits(hidden[slot.dev["logits_idx"][:rows]], out=logits_out)  # (rows, V)
 
     def sample_every_row(self, slot: Slot, bucket: int, logits: torch.Tensor, top_k: bool) -> None:
         """A sampling graph's body: the fused sampler over a bucket's rows, every setting read from the slot's

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) with fused qkv and gate/up weights."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass, fields
 
@@ -92,6 +93,8 @@ class LlamaFamilyModel(nn.Module):
     ):
         super().__init__()
         self.spec, self.ops, self.eps = spec, ops, eps
+        # the ops a mixed step's forward launches with (set_mixed_step_ops): by default the same
+        self.mixed_step_ops = ops
         self.scale = spec.head_dim**-0.5
         self.qkv_sizes = [
             spec.num_heads * spec.head_dim,
@@ -104,6 +107,21 @@ class LlamaFamilyModel(nn.Module):
         # tied embeddings share one tensor, so the head costs no memory
         self.lm_head = self.embed_tokens if lm_head is None else _param(lm_head)  # (V, H)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)  # (max_pos, D) float32
+
+    def set_mixed_step_ops(self, ops: Ops) -> None:
+        """Launch mixed steps (prefill chunks beside decode rows) with these ops: e.g. without programmatic
+        dependent launch, whose overlap is a small share of those steps' long kernels while it doubles the CPU cost
+        of replaying their graphs."""
+        self.mixed_step_ops = ops
+
+    @contextlib.contextmanager
+    def mixed_step_launches(self):
+        """Inside: the forward launches with the mixed-step ops (the engine thread alone runs forwards)."""
+        ops, self.ops = self.ops, self.mixed_step_ops
+        try:
+            yield
+        finally:
+            self.ops = ops
 
     @torch.inference_mode()
     def forward(

@@ -179,3 +179,31 @@ def test_triton_path_samples_with_the_fused_kernel_alike_in_every_mode(model_pat
     assert runs[0] == runs[1]
     assert [len(t) for t in runs[0]] == [4, 3, 4, 3]
     assert {("sample", False), ("sample", True)} <= set(log.seen)
+
+
+def test_dependent_launch_decode_leaves_mixed_steps_plain(model_path, torch_tokens, monkeypatch):
+    """dependent_launch "decode" (what auto is on an H200): every kernel of a decode step launches as a programmatic
+    dependent, every kernel of a mixed step (prefill chunks beside decode rows, a mixed graph's body here) plainly,
+    and the greedy tokens equal the torch path's."""
+    monkeypatch.setattr(triton_linear, "tables_for", lambda device: TINY_TABLES)
+    in_mixed = [False]
+    original = ModelRunner.mixed_forward
+
+    def mixed_forward(self, *args):
+        in_mixed[0] = True
+        try:
+            return original(self, *args)
+        finally:
+            in_mixed[0] = False
+
+    monkeypatch.setattr(ModelRunner, "mixed_forward", mixed_forward)
+    log = LaunchLog(monkeypatch)
+    for module, name in ((triton_linear, "_skinny_linear_kernel"), (triton_attention, "_decode_kernel"),
+                         (triton_attention, "_prefill_kernel"), (triton_layers, "_rms_norm_kernel"),
+                         (triton_layers, "_silu_and_mul_kernel")):
+        log.wrap(module, name, lambda args, kw, name=name: (name, in_mixed[0], kw["PDL"]))
+    tokens, ops = _generate(model_path, attention_backend="triton", linear_backend="auto", dependent_launch="decode",
+                            cuda_graphs=True, async_pipeline=True, max_num_seqs=12)
+    assert ops == "triton+pdl" and tokens == torch_tokens
+    flags = {(mixed, pdl) for _, mixed, pdl in log.seen}
+    assert flags == {(True, False), (False, True)}, sorted(log.seen)

@@ -359,7 +359,7 @@ def test_unknown_sampling_key_rejected():
     (dict(max_num_batched_tokens=8, max_num_seqs=16), "max_num_batched_tokens"),
     (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction"), (dict(attention_backend="x"), "attention"),
     (dict(linear_backend="cutlass"), "linear_backend must be auto, triton or cublas"),
-    (dict(dependent_launch="yes"), "dependent_launch must be auto, on or off"),
+    (dict(dependent_launch="yes"), "dependent_launch must be auto, decode, on or off"),
     (dict(gc_young_threshold=-1), "gc_young_threshold must be an integer >= 0"),
 ])
 def test_bad_config(settings, match):
@@ -374,7 +374,7 @@ def test_dependent_launch_is_on_only_for_the_triton_path_on_a_gpu():
     cpu = torch.device("cpu")
     assert not _dependent_launch("auto", "torch", cpu)
     assert not _dependent_launch("auto", "triton", cpu)
-    assert _dependent_launch("on", "triton", cpu)
+    assert _dependent_launch("on", "triton", cpu) and _dependent_launch("decode", "triton", cpu)
     assert not _dependent_launch("off", "triton", cpu)
     ops = get_ops("torch", dependent_launch=True)  # the torch path has no launches to make dependent
     assert ops.name == "torch"
