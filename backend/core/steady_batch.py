@@ -14,13 +14,14 @@ packed, or that samples a stop token or nears a length limit, is the general one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, count
 
 import numpy as np
 
 from backend.request import Request
 
 _KEPT_CHANGES = 8  # row changes remembered (SteadyBatch.changes): a step's rows change a few times at most
+_SERIALS = count()  # each steady batch's number, so state kept about one (a slot's block tables) names it
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class SteadyBatch:
     _INTS = ("computed", "kv_slots", "token_cap", "num_blocks", "table_rows", "src_rows")
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
+        self.serial = next(_SERIALS)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks = max_blocks
@@ -105,9 +107,9 @@ class SteadyBatch:
         cap, bs = self.max_model_len, self.block_size
         # computed: tokens whose KV is written or queued (== request.num_computed_tokens while this batch is
         # current); kv_slots: the KV cache slot of the last of them (a row's blocks cover its tokens exactly, so the
-        # next position lies in its last block or in the block added for it); token_cap: a row may take a steady step only while its token count stays below it (max_tokens,
-        # max_model_len); src_rows: its row in the step packed last (carry-over reads that step's sampled token
-        # from there)
+        # next position lies in its last block or in the block added for it); token_cap: a row may take a steady
+        # step only while its token count stays below it (max_tokens, max_model_len); src_rows: its row in the step
+        # packed last (carry-over reads that step's sampled token from there)
         return np.array([[r.num_computed_tokens for r in reqs],
                          [r.block_ids[(r.num_computed_tokens - 1) // bs] * bs + (r.num_computed_tokens - 1) % bs
                           for r in reqs],

@@ -140,20 +140,20 @@ class SlotPacker:
         """The steady rows' block tables into the slot's rows [0, rows): only the blocks added since the slot was
         last packed from the same rows (two steps ago: a block at most per row), else whole rows."""
         n, tables, held = len(sb), slot.np["block_tables"], slot.steady_tables
-        if held is not None and held[0] is sb and held[1] == sb.version:
+        if held is not None and held[0] == sb.serial and held[1] == sb.version:
             before = held[2]
             grown = (sb.num_blocks != before).nonzero()[0]
             if not grown.size or (sb.num_blocks[grown] - before[grown]).max() == 1:
                 if grown.size:
                     cols = before[grown]
                     tables[grown, cols] = sb.table_store[sb.table_rows[grown], cols]
-                slot.steady_tables = (sb, sb.version, sb.num_blocks.copy())
+                slot.steady_tables = (sb.serial, sb.version, sb.num_blocks.copy())
                 return
         # whole rows, gathered straight into the slot (the store's width is the slot's); mode="clip" because with
         # out= numpy's default bounds mode gathers into a temporary first, and every table row index is in range
         np.take(sb.table_store, sb.table_rows, axis=0, out=tables[:n], mode="clip")
         slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
-        slot.steady_tables = (sb, sb.version, sb.num_blocks.copy())
+        slot.steady_tables = (sb.serial, sb.version, sb.num_blocks.copy())
 
     def _pack_mixed(self, st: StepState, prev: StepState | None, first: int = 0) -> None:
         """Prefill chunks (every token known on the host) beside decode rows; from request `first` on (the ones

@@ -64,9 +64,10 @@ class Slot:
         self._sampling_views: dict[int, tuple[torch.Tensor, ...]] = {}
         # per block-table row: (the request's block list, blocks written), so a step writes only new blocks
         self.table_owners: list[tuple[list[int], int] | None] = [None] * S
-        # (steady batch, its version, each row's block count) when rows [0, rows) hold that batch's block tables as
-        # they stood when this slot was last packed from it, or None: the next steady pack writes only the new blocks
-        self.steady_tables: tuple[object, int, np.ndarray] | None = None
+        # (steady batch's serial, its version, each row's block count) when rows [0, rows) hold that batch's block
+        # tables as they stood when this slot was last packed from it, or None: the next steady pack writes only the
+        # new blocks
+        self.steady_tables: tuple[int, int, np.ndarray] | None = None
         # leading rows whose query_start_loc ([0, rows]) and logits_idx ([0, rows)) hold 0, 1, 2, ... in the host
         # buffers (one token and one logits row each, as steady and padding rows have): the steady pack skips them
         self.arange_rows = 0
@@ -114,8 +115,8 @@ class Slot:
         return views
 
     def leading(self, dst_name: str, src_name: str, rows: int) -> "LeadingRows":
-        """The first rows rows of two of this slot's buffers, as views (torch's copy_) and as a driver copy's
-        arguments, worked out once per row count: views and addresses cost µs each step."""
+        """The first rows rows of two of this slot's buffers, as views (torch's copy_) and, with CUDA, as a driver
+        copy's arguments, worked out once per row count: views and addresses cost µs each step."""
         key = (dst_name, src_name, rows)
         lead = self._leading.get(key)
         if lead is None:
@@ -123,18 +124,19 @@ class Slot:
             per_row = dst[0].numel() if dst.dim() > 1 else 1
             n = rows * per_row
             flat_dst, flat_src = dst.view(-1), src.view(-1)
-            lead = self._leading[key] = LeadingRows(flat_dst[:n], flat_src[:n],
-                                                    leading_bytes(flat_dst, flat_src, n))
+            args = leading_bytes(flat_dst, flat_src, n) if flat_dst.is_cuda or flat_src.is_cuda else None
+            lead = self._leading[key] = LeadingRows(flat_dst[:n], flat_src[:n], args)
         return lead
 
 
 @dataclass(frozen=True, slots=True)
 class LeadingRows:
-    """A buffer's leading rows and their source's: views for torch's copy_, (dst, src, bytes) for a driver copy."""
+    """A buffer's leading rows and their source's: views for torch's copy_, (dst, src, bytes) for a driver copy
+    (None where both buffers are in host memory: torch's copy_ takes them)."""
 
     dst: torch.Tensor
     src: torch.Tensor
-    copy_args: tuple[int, int, int]
+    copy_args: tuple[int, int, int] | None
 
 
 def _regions(flat: torch.Tensor, f32_offset: int, i32_offset: int) -> tuple[torch.Tensor, ...]:
@@ -212,8 +214,8 @@ class Pipeline:
         """Queue H2D copy → compute (carry-over, forward, sample) → D2H copy; returns without waiting. The copy
         takes every input but the int32 region past n_i32 elements (block-table rows the step does not use).
         compute queues the step's device work and returns (rows sampled, whether that work was CUDA graph replays
-        only, the idle seconds inside those graphs or None where unknown). Only compute runs on a current stream (graph replays launch there); the copies, events and waits
-        name theirs."""
+        only, the idle seconds inside those graphs or None where unknown). Only compute runs on a current stream
+        (graph replays launch there); the copies, events and waits name theirs."""
         tl = self.timeline
         # why: the previous step that used this slot must have finished reading its device inputs
         slot.compute_done.wait(self.h2d_stream)
@@ -239,12 +241,11 @@ class Pipeline:
             self._use(self.home_stream)
         slot.compute_done.wait(self.d2h_stream)
         tl.gpu_begin("d2h", self.d2h_stream, copy=True)
-        d2h = self._d2h_handle
-        self._copy(slot, "host_tokens", "out_tokens", rows, d2h)
+        self._copy(slot, "host_tokens", "out_tokens", rows, self._d2h_handle)
         if read_logprobs:
             for dst, src in (("host_logprobs", "out_logprobs"), ("host_ranks", "out_ranks"),
                              ("host_top_ids", "out_top_ids"), ("host_top_logprobs", "out_top_logprobs")):
-                self._copy(slot, dst, src, rows, d2h)
+                self._copy(slot, dst, src, rows, self._d2h_handle)
         # the tokens alone are one copy, no launch gaps; with logprobs, five launches: the GPU's progress decides
         tl.gpu_end("d2h", self.d2h_stream, gap_free=not read_logprobs)
         # why: the host waits on this event, the one blocking point of a step

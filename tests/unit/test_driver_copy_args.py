@@ -21,14 +21,16 @@ def test_mismatched_dtypes_strided_views_and_overlong_counts_are_refused():
         leading_bytes(torch.zeros(4), torch.zeros(6), 5)
 
 
-def test_a_slots_leading_rows_are_views_and_copy_arguments_of_the_same_elements():
+def test_a_slots_leading_rows_are_views_of_the_leading_elements():
     from backend.executor.pipeline import Slot, SlotLayout
 
     slot = Slot(0, SlotLayout(max_tokens=8, max_seqs=4, max_blocks=3, max_logprobs=2), torch.device("cpu"), False)
     lead = slot.leading("host_top_ids", "out_top_ids", 3)  # (S, K) buffers: 3 rows of 2
     assert lead is slot.leading("host_top_ids", "out_top_ids", 3)  # worked out once per row count
     assert lead.dst.data_ptr() == slot.host_top_ids.data_ptr() and lead.dst.numel() == 6
-    assert lead.copy_args == (slot.host_top_ids.data_ptr(), slot.out_top_ids.data_ptr(), 6 * 8)
+    assert lead.copy_args is None  # host memory both: torch's copy_ takes the views
+    # with CUDA the arguments are these views' own
+    assert leading_bytes(lead.dst, lead.src, 6) == (slot.host_top_ids.data_ptr(), slot.out_top_ids.data_ptr(), 6 * 8)
     slot.out_top_ids.copy_(torch.arange(8).view(4, 2))
     lead.dst.copy_(lead.src)
     assert slot.host_top_ids.tolist() == [[0, 1], [2, 3], [4, 5], [0, 0]]

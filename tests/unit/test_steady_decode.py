@@ -466,7 +466,7 @@ def test_each_steady_pack_writes_every_rows_kv_slot_and_block_table_as_its_reque
 
     def tables(slot, sb):
         held = slot.steady_tables
-        incremental[0] += held is not None and held[0] is sb and held[1] == sb.version
+        incremental[0] += held is not None and held[0] == sb.serial and held[1] == sb.version
         real_tables(slot, sb)
 
     def pack(self, st, prev):
