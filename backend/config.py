@@ -38,9 +38,10 @@ class EngineConfig:
     steady_decode: bool = True  # runs of identical decode steps are scheduled, packed and read as arrays
     attention_backend: str = "auto"  # auto | torch | triton
     linear_backend: str = "auto"  # auto (measured table) | triton | cublas: decode GEMMs on the triton path
-    # auto (decode on compute capability >= 9.0, else off) | decode (all but mixed steps) | on | off: triton kernels
-    # overlap
+    # auto (decode on compute capability >= 9.0, else off) | decode (decode steps of at most dependent_decode_rows
+    # rows) | on | off: triton kernels overlap
     dependent_launch: str = "auto"
+    dependent_decode_rows: int = 96  # dependent_launch decode: larger decode steps launch plainly
     seed: int = 0  # seed for requests that bring none
     timeline: bool = False  # record CPU/GPU spans from the start (switchable at run time)
     max_stop_strings: int = 16
@@ -92,6 +93,9 @@ class EngineConfig:
             raise ValueError(f"linear_backend must be auto, triton or cublas, got {self.linear_backend!r}")
         if self.dependent_launch not in ("auto", "decode", "on", "off"):
             raise ValueError(f"dependent_launch must be auto, decode, on or off, got {self.dependent_launch!r}")
+        if not isinstance(self.dependent_decode_rows, int) or isinstance(self.dependent_decode_rows, bool) \
+                or self.dependent_decode_rows < 0:
+            raise ValueError(f"dependent_decode_rows must be an integer >= 0, got {self.dependent_decode_rows!r}")
         if not isinstance(self.gc_young_threshold, int) or isinstance(self.gc_young_threshold, bool) \
                 or self.gc_young_threshold < 0:
             raise ValueError(f"gc_young_threshold must be an integer >= 0 (0: Python's own), got "

@@ -14,6 +14,8 @@ from backend.models.loader import TORCH_DTYPES
 from backend.executor.pipeline import SlotLayout
 from backend.request import MAX_LOGPROBS
 from backend.executor.runner import ModelRunner
+from backend.executor.step_ops import StepOps
+from backend.ops import get_ops
 from backend.core.scheduler import Scheduler
 from backend.runtime.timeline import Timeline
 
@@ -70,6 +72,7 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     path = "<given model>"
+    step_ops = None  # a given or built-in model's steps all launch with its own ops
     if model is None and config.model in BUILT_IN_MODELS:  # e.g. the stand-in, to time the engine's own work
         path = config.model
         model, tokenizer = BUILT_IN_MODELS[path](device)
@@ -78,10 +81,12 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
 
         path = resolve_model_path(config.model, config.cache_dir)
         tokenizer = AutoTokenizer.from_pretrained(path)
+        dependent = _dependent_launch(config.dependent_launch, backend, device)
         model = load_model(path, dtype=dtype, device=device, attention_backend=backend,
-                           linear_backend=config.linear_backend,
-                           dependent_launch=_dependent_launch(config.dependent_launch, backend, device),
-                           plain_mixed_steps=config.dependent_launch in ("auto", "decode"))
+                           linear_backend=config.linear_backend, dependent_launch=dependent)
+        if dependent and config.dependent_launch in ("auto", "decode"):
+            plain = get_ops(backend, config.linear_backend, False)
+            step_ops = StepOps(model.ops, plain, config.dependent_decode_rows)
     spec = model.spec
     max_len = config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_MAX_LEN_CAP)
     if max_len > spec.max_position_embeddings:
@@ -97,7 +102,8 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
                         max_blocks=-(-max_len // config.block_size), max_logprobs=MAX_LOGPROBS)
     runner = ModelRunner(model, kv_cache, config.block_size, layout, device, timeline,
                          use_graphs=config.cuda_graphs, max_graph_batch=config.max_graph_batch_size,
-                         fused_sampler=config.fused_sampler, mixed_graphs=config.mixed_step_graphs)
+                         fused_sampler=config.fused_sampler, mixed_graphs=config.mixed_step_graphs,
+                         step_ops=step_ops)
     runner.prepare(measure_graph_idle=config.graph_idle_measure)
     async_pipeline = config.async_pipeline if config.async_pipeline is not None else device.type == "cuda"
     log.info("engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, async %s",
@@ -107,9 +113,9 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
 
 
 def _dependent_launch(setting: str, backend: str, device: torch.device) -> bool:
-    """Whether the Triton kernels launch as programmatic dependents: on and decode (which leaves mixed steps plain:
-    load_model's plain_mixed_steps) say so; auto is decode for the triton path on GPUs with programmatic dependent
-    launch (compute capability 9.0+)."""
+    """Whether the model's Triton kernels launch as programmatic dependents: on and decode (which leaves mixed steps
+    and decode steps of more than dependent_decode_rows rows plain: StepOps) say so; auto is decode for the triton
+    path on GPUs with programmatic dependent launch (compute capability 9.0+)."""
     if setting != "auto":
         return setting in ("on", "decode")
     return backend == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)

@@ -9,6 +9,7 @@ from backend.executor.logit_rules import logit_edits
 from backend.executor.packer import SlotPacker, StepResult, StepState
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
 from backend.executor.sampler import Sampler, SamplingTensors
+from backend.executor.step_ops import StepOps
 from backend.ops.torch.attention import AttentionMetadata
 from backend.runtime.timeline import Timeline
 
@@ -18,8 +19,9 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, layout: SlotLayout,
                  device: torch.device, timeline: Timeline, use_graphs: bool, max_graph_batch: int,
-                 fused_sampler: bool = True, mixed_graphs: bool = True) -> None:
+                 fused_sampler: bool = True, mixed_graphs: bool = True, step_ops: StepOps | None = None) -> None:
         self.model = model
+        self.step_ops = step_ops or StepOps.uniform(model.ops)  # the op set each kind of step launches with
         self.kv_cache = kv_cache  # (L, 2, NB, BS, Hkv, D)
         self.block_size = block_size
         self.layout = layout
@@ -55,9 +57,10 @@ class ModelRunner:
         """A decode step's device work (what a decode graph holds): carry-over, forward, logits, greedy pick."""
         ids = self.carry_over(slot, prev_slot, bucket)
         meta = self.metadata(slot, bucket, bucket, width, 1, max_len)
-        hidden = self.model(ids, slot.dev["positions"][:bucket], self.kv_cache, meta)  # (bucket, H)
-        logits = self.model.compute_logits(hidden, out=logits_out)  # (bucket, V)
-        self.model.ops.greedy_argmax(logits, slot.out_tokens[:bucket])  # greedy tokens, final for all-greedy steps
+        ops = self.step_ops.decode(bucket)
+        hidden = self.model(ids, slot.dev["positions"][:bucket], self.kv_cache, meta, ops)  # (bucket, H)
+        logits = self.model.compute_logits(hidden, logits_out, ops)  # (bucket, V)
+        ops.greedy_argmax(logits, slot.out_tokens[:bucket])  # greedy tokens, final for all-greedy steps
         return logits
 
     def mixed_forward(self, slot: Slot, prev_slot: Slot | None, tokens: int, rows: int,
@@ -68,9 +71,9 @@ class ModelRunner:
         lay = self.layout
         # max_query_len > 1 takes the attention kernel that reads query lengths on the device
         meta = self.metadata(slot, lay.max_seqs, tokens, lay.max_blocks, max(2, tokens), lay.max_blocks * self.block_size)
-        with self.model.mixed_step_launches():  # the mixed-step ops (dependent_launch "auto": plain launches)
-            hidden = self.model(ids, slot.dev["positions"][:tokens], self.kv_cache, meta)  # (tokens, H)
-            return self.model.compute_logits(hidden[slot.dev["logits_idx"][:rows]], out=logits_out)  # (rows, V)
+        ops = self.step_ops.mixed
+        hidden = self.model(ids, slot.dev["positions"][:tokens], self.kv_cache, meta, ops)  # (tokens, H)
+        return self.model.compute_logits(hidden[slot.dev["logits_idx"][:rows]], logits_out, ops)  # (rows, V)
 
     def sample_every_row(self, slot: Slot, bucket: int, logits: torch.Tensor, top_k: bool) -> None:
         """A sampling graph's body: the fused sampler over a bucket's rows, every setting read from the slot's
@@ -270,8 +273,9 @@ class ModelRunner:
                        prev_slot: Slot | None, num_sampled: int) -> torch.Tensor:
         ids = self.carry_over(slot, prev_slot, T)
         meta = self.metadata(slot, B, T, width, max_q, max_len)
-        hidden = self.model(ids, slot.dev["positions"][:T], self.kv_cache, meta)  # (T, H)
-        return self.model.compute_logits(hidden[slot.dev["logits_idx"][:num_sampled]])  # (N, V)
+        ops = self.step_ops.decode(B) if max_q == 1 else self.step_ops.mixed
+        hidden = self.model(ids, slot.dev["positions"][:T], self.kv_cache, meta, ops)  # (T, H)
+        return self.model.compute_logits(hidden[slot.dev["logits_idx"][:num_sampled]], None, ops)  # (N, V)
 
     def _append_input_tokens(self, slot: Slot, sampling: SamplingTensors, n: int) -> None:
         """Penalties count this step's input token (maybe carried over) as an output token when it is one."""

@@ -1,7 +1,6 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) with fused qkv and gate/up weights."""
 from __future__ import annotations
 
-import contextlib
 import importlib
 from dataclasses import dataclass, fields
 
@@ -49,11 +48,11 @@ class DecoderLayer(nn.Module):
         for f in fields(LayerWeights):
             setattr(self, f.name, _param(getattr(w, f.name)))
 
-    def forward(self, h, residual, positions, kv_layer, meta, model: "LlamaFamilyModel"):
-        """h, residual (T, H) -> (h, residual) after this layer; residual None on the first layer.
+    def forward(self, h, residual, positions, kv_layer, meta, model: "LlamaFamilyModel", ops: Ops):
+        """h, residual (T, H) -> (h, residual) after this layer, launched with ops; residual None on the first layer.
 
         The h returned may be split-K partial sums (PartialSums): only add_rms_norm reads it."""
-        ops, spec, eps = model.ops, model.spec, model.eps
+        spec, eps = model.spec, model.eps
         if residual is None:
             residual, x = h, ops.rms_norm(h, self.input_norm, eps)
         else:
@@ -92,9 +91,7 @@ class LlamaFamilyModel(nn.Module):
         eps: float,
     ):
         super().__init__()
-        self.spec, self.ops, self.eps = spec, ops, eps
-        # the ops a mixed step's forward launches with (set_mixed_step_ops): by default the same
-        self.mixed_step_ops = ops
+        self.spec, self.ops, self.eps = spec, ops, eps  # ops: what a forward launches with unless given others
         self.scale = spec.head_dim**-0.5
         self.qkv_sizes = [
             spec.num_heads * spec.head_dim,
@@ -108,39 +105,26 @@ class LlamaFamilyModel(nn.Module):
         self.lm_head = self.embed_tokens if lm_head is None else _param(lm_head)  # (V, H)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)  # (max_pos, D) float32
 
-    def set_mixed_step_ops(self, ops: Ops) -> None:
-        """Launch mixed steps (prefill chunks beside decode rows) with these ops: e.g. without programmatic
-        dependent launch, whose overlap is a small share of those steps' long kernels while it doubles the CPU cost
-        of replaying their graphs."""
-        self.mixed_step_ops = ops
-
-    @contextlib.contextmanager
-    def mixed_step_launches(self):
-        """Inside: the forward launches with the mixed-step ops (the engine thread alone runs forwards)."""
-        ops, self.ops = self.ops, self.mixed_step_ops
-        try:
-            yield
-        finally:
-            self.ops = ops
-
     @torch.inference_mode()
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """input_ids, positions (T,) int64; kv_cache (L, 2, NB, BS, Hkv, D) -> hidden (T, H)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, ops: Ops | None = None) -> torch.Tensor:
+        """input_ids, positions (T,) int64; kv_cache (L, 2, NB, BS, Hkv, D) -> hidden (T, H). ops: the op set the
+        kernels launch with (e.g. without dependent launch), the model's own when None."""
+        ops = ops or self.ops
         h = F.embedding(input_ids, self.embed_tokens)  # (T, H)
         residual = None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, positions, kv_cache[i], meta, self)
-        h, _ = self.ops.add_rms_norm(h, residual, self.norm, self.eps)
+            h, residual = layer(h, residual, positions, kv_cache[i], meta, self, ops)
+        h, _ = ops.add_rms_norm(h, residual, self.norm, self.eps)
         return h
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden (N, H) -> logits (N, V) in the model's dtype, written into out (N, V) when given.
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+                       ops: Ops | None = None) -> torch.Tensor:
+        """hidden (N, H) -> logits (N, V) in the model's dtype, written into out (N, V) when given; ops as forward's.
 
         The sampler converts to float32 itself, so a greedy decode graph reads bf16 logits and never converts."""
-        return self.ops.linear(hidden, self.lm_head, None, out)
+        return (ops or self.ops).linear(hidden, self.lm_head, None, out)
 
 
 def build_cos_sin_cache(config, model_type: str, head_dim: int, device: torch.device) -> torch.Tensor:

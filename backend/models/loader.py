@@ -22,11 +22,9 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
 def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: str = "torch",
-               linear_backend: str = "auto", dependent_launch: bool = False,
-               plain_mixed_steps: bool = False) -> LlamaFamilyModel:
+               linear_backend: str = "auto", dependent_launch: bool = False) -> LlamaFamilyModel:
     """Read config.json and *.safetensors from `path`; never runs remote code or unpickles weights.
-    dependent_launch: the Triton kernels launch as programmatic dependents; plain_mixed_steps: but not those of mixed
-    steps (LlamaFamilyModel.set_mixed_step_ops)."""
+    dependent_launch: the model's Triton kernels launch as programmatic dependents."""
     folder = Path(path)
     device = torch.device(device)
     dtype = _resolve_dtype(dtype, device)
@@ -42,8 +40,6 @@ def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: 
             weights = _load_weights(ckpt, config, spec, dtype, device)
     cos_sin = build_cos_sin_cache(config, spec.model_type, spec.head_dim, device)
     model = LlamaFamilyModel(spec, ops, cos_sin_cache=cos_sin, eps=float(config.rms_norm_eps), **weights)
-    if dependent_launch and plain_mixed_steps:
-        model.set_mixed_step_ops(get_ops(attention_backend, linear_backend, False))
     logger.info("loaded %s (%d layers, %s) from %s with %s ops",
                 spec.model_type, spec.num_layers, dtype, path, ops.name)
     return model.eval()

@@ -21,10 +21,10 @@ class StandInModel(torch.nn.Module):
         self._ramp = torch.arange(vocab_size, dtype=torch.float32, device=device)  # (V,)
         self.ops = get_ops("torch")  # the decode graph's greedy pick
 
-    def forward(self, input_ids, positions, kv_cache, meta):
+    def forward(self, input_ids, positions, kv_cache, meta, ops=None):
         return input_ids.to(torch.float32).unsqueeze(1)  # (T, 1): the input token, as the "hidden state"
 
-    def compute_logits(self, hidden, out=None):
+    def compute_logits(self, hidden, out=None, ops=None):
         nxt = torch.remainder(hidden + 1, self.spec.vocab_size)  # (N, 1)
         logits = -(self._ramp.unsqueeze(0) - nxt).abs()  # (N, V): the maximum sits at the next token
         return logits if out is None else out.copy_(logits)

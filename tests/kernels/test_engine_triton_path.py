@@ -181,29 +181,42 @@ def test_triton_path_samples_with_the_fused_kernel_alike_in_every_mode(model_pat
     assert {("sample", False), ("sample", True)} <= set(log.seen)
 
 
-def test_dependent_launch_decode_leaves_mixed_steps_plain(model_path, torch_tokens, monkeypatch):
-    """dependent_launch "decode" (what auto is on an H200): every kernel of a decode step launches as a programmatic
-    dependent, every kernel of a mixed step (prefill chunks beside decode rows, a mixed graph's body here) plainly,
-    and the greedy tokens equal the torch path's."""
+def test_dependent_launch_decode_splits_launches_by_kind_of_step(model_path, torch_tokens, monkeypatch):
+    """dependent_launch "decode" (what auto is on an H200): every kernel of a decode step of at most
+    dependent_decode_rows rows (padding included) launches as a programmatic dependent; every kernel of a larger
+    decode step, of a mixed step (prefill chunks beside decode rows, a mixed graph's body here) and of an eager
+    prefill launches plainly; the greedy tokens equal the torch path's."""
     monkeypatch.setattr(triton_linear, "tables_for", lambda device: TINY_TABLES)
-    in_mixed = [False]
-    original = ModelRunner.mixed_forward
+    step = [None]  # ("decode", rows) or ("mixed",) while the runner's forward of that step runs
 
-    def mixed_forward(self, *args):
-        in_mixed[0] = True
-        try:
-            return original(self, *args)
-        finally:
-            in_mixed[0] = False
+    def tracking(name: str, kind):
+        original = getattr(ModelRunner, name)
 
-    monkeypatch.setattr(ModelRunner, "mixed_forward", mixed_forward)
+        def forward(self, *args):
+            step[0] = kind(args)
+            try:
+                return original(self, *args)
+            finally:
+                step[0] = None
+
+        monkeypatch.setattr(ModelRunner, name, forward)
+
+    tracking("decode_forward", lambda args: ("decode", args[2]))  # (slot, prev_slot, bucket, ...)
+    tracking("mixed_forward", lambda args: ("mixed",))
+    # (slot, B, T, width, max_len, max_q, ...): one-token rows are a decode step
+    tracking("_eager_forward", lambda args: ("decode", args[1]) if args[5] == 1 else ("mixed",))
     log = LaunchLog(monkeypatch)
     for module, name in ((triton_linear, "_skinny_linear_kernel"), (triton_attention, "_decode_kernel"),
                          (triton_attention, "_prefill_kernel"), (triton_layers, "_rms_norm_kernel"),
-                         (triton_layers, "_silu_and_mul_kernel")):
-        log.wrap(module, name, lambda args, kw, name=name: (name, in_mixed[0], kw["PDL"]))
+                         (triton_layers, "_silu_and_mul_kernel"), (triton_argmax, "_chunk_max_kernel")):
+        log.wrap(module, name, lambda args, kw, name=name: (name, step[0], kw["PDL"]))
     tokens, ops = _generate(model_path, attention_backend="triton", linear_backend="auto", dependent_launch="decode",
-                            cuda_graphs=True, async_pipeline=True, max_num_seqs=12)
+                            dependent_decode_rows=4, cuda_graphs=True, async_pipeline=True, max_num_seqs=12)
     assert ops == "triton+pdl" and tokens == torch_tokens
-    flags = {(mixed, pdl) for _, mixed, pdl in log.seen}
-    assert flags == {(True, False), (False, True)}, sorted(log.seen)
+    kinds = collections.Counter()
+    for name, kind, pdl in log.seen:
+        assert kind is not None, f"{name} launched outside a step's forward"
+        group = "mixed" if kind[0] == "mixed" else ("small decode" if kind[1] <= 4 else "large decode")
+        assert pdl == (group == "small decode"), (name, kind, pdl)
+        kinds[group] += 1
+    assert set(kinds) == {"mixed", "small decode", "large decode"}, kinds

@@ -58,9 +58,9 @@ class _ForwardRecorder:
     def __init__(self, model):
         self.model, self.calls = model, []
 
-    def __call__(self, ids, positions, kv_cache, meta):
+    def __call__(self, ids, positions, kv_cache, meta, ops=None):
         self.calls.append((ids.shape[0], int(meta.max_query_len)))
-        return self.model(ids, positions, kv_cache, meta)
+        return self.model(ids, positions, kv_cache, meta, ops)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -361,6 +361,7 @@ def test_unknown_sampling_key_rejected():
     (dict(linear_backend="cutlass"), "linear_backend must be auto, triton or cublas"),
     (dict(dependent_launch="yes"), "dependent_launch must be auto, decode, on or off"),
     (dict(gc_young_threshold=-1), "gc_young_threshold must be an integer >= 0"),
+    (dict(dependent_decode_rows=-1), "dependent_decode_rows must be an integer >= 0"),
 ])
 def test_bad_config(settings, match):
     with pytest.raises(ValueError, match=match):

@@ -31,9 +31,9 @@ class _ForwardRecorder:
     def __init__(self, model):
         self.model, self.tokens = model, 0
 
-    def __call__(self, ids, positions, kv_cache, meta):
+    def __call__(self, ids, positions, kv_cache, meta, ops=None):
         self.tokens += ids.shape[0]
-        return self.model(ids, positions, kv_cache, meta)
+        return self.model(ids, positions, kv_cache, meta, ops)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
