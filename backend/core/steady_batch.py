@@ -91,6 +91,7 @@ class SteadyBatch:
         self.stop_ids = frozenset().union(*(r.stop_ids for r in self.requests))
         self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
         self.any_edits_logits = any(r.edits_logits for r in self.requests)  # stays set once a row had edits
+        self._arange = np.arange(2 * len(self.requests))
         self._index_rows()
         self.version = 0  # bumped whenever rows leave or join: a step packed under another version has other rows
         # how each recent version came from the one before: ("keep", mask of the rows kept) or ("append", requests
@@ -153,7 +154,10 @@ class SteadyBatch:
         else:
             self.streamed_rows = list(compress(range(len(streamed)), streamed))
             self.streamed_ids = list(compress(self.request_ids, streamed))
-        self.rows = np.arange(len(self.requests))
+        n = len(self.requests)
+        if len(self._arange) < n:
+            self._arange = np.arange(2 * n)
+        self.rows = self._arange[:n]  # 0, 1, ..., n - 1 (a view: never written)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -178,13 +182,14 @@ class SteadyBatch:
         keep = np.ones(len(self.requests), dtype=bool)
         keep[rows] = False
         self._free_store_rows.extend(self.table_rows[rows].tolist())
-        self.appends = list(compress(self.appends, keep.tolist()))
+        appends = self.appends.copy()  # a new list: a packed step's rows keep theirs
         for row in sorted(rows.tolist(), reverse=True):  # a few rows: each del moves the rows after it, in C
             req = self.requests[row]
             req.last_step_id = self.last_step_id  # it leaves the rows: its own count of steps is current again
             self._members.discard(req)
-            del self.requests[row], self.request_ids[row], self.streamed[row]
-        self._set_arrays(self._ints[:, keep])
+            del self.requests[row], self.request_ids[row], self.streamed[row], appends[row]
+        self.appends = appends
+        self._set_arrays(self._ints.compress(keep, axis=1))
         self._index_rows()
         self._changed(("keep", keep))
 
