@@ -217,8 +217,9 @@ class Pipeline:
         only, the idle seconds inside those graphs or None where unknown). Only compute runs on a current stream
         (graph replays launch there); the copies, events and waits name theirs."""
         tl = self.timeline
-        # why: the previous step that used this slot must have finished reading its device inputs
-        slot.compute_done.wait(self.h2d_stream)
+        # No stream waits for this slot's previous step: the host synchronized on its d2h_done before the slot was
+        # free again (acquire_slot), and that event follows the step's reads of the device inputs and its writes
+        # of the outputs, so neither this copy nor this compute can overtake them.
         tl.gpu_begin("h2d", self.h2d_stream, copy=True)
         self._copy(slot, "dev_inputs", "host_inputs", slot.input_bytes(n_i32), self._h2d_handle)
         tl.gpu_end("h2d", self.h2d_stream, gap_free=True)  # one copy: no launch gaps
@@ -227,8 +228,6 @@ class Pipeline:
         try:
             self._use(self.compute_stream)
             slot.h2d_done.wait(self.compute_stream)
-            # why: this slot's output buffers must have been copied back before they are overwritten
-            slot.d2h_done.wait(self.compute_stream)
             tl.gpu_begin("compute", self.compute_stream)
             rows, graph_replays_only, idle_s = compute()
             # a graph replay is one launch, its kernels back to back: the span holds no launch gaps, only the graphs'
