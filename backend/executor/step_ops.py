@@ -12,7 +12,8 @@ class StepOps:
 
     Programmatic dependent launch lets a kernel start while the one before it ends: the overlap pays where kernels
     are short (small decode batches), while a graph of dependent launches costs about twice the CPU time to replay.
-    Where launches are not split by step kind both op sets are the same."""
+    Where launches are not split by step kind both op sets are the same. The fused sampler's kernels (their own
+    graphs, after the forward's) keep the model's own launch mode."""
 
     dependent: Ops
     plain: Ops
