@@ -185,7 +185,7 @@ class SteadyBatch:
         appends = self.appends.copy()  # a new list: a packed step's rows keep theirs
         for row in sorted(rows.tolist(), reverse=True):  # a few rows: each del moves the rows after it, in C
             req = self.requests[row]
-            req.last_step_id = self.last_step_id  # it leaves the rows: its own count of steps is current again
+            self._hand_back((req,))
             self._members.discard(req)
             del self.requests[row], self.request_ids[row], self.streamed[row], appends[row]
         self.appends = appends
@@ -274,15 +274,13 @@ class SteadyBatch:
 
     def add_block(self, row: int, block: int) -> None:
         """The row's next token starts a block: this one."""
-        self.table_store[self.table_rows[row], self.num_blocks[row]] = block
-        self.num_blocks[row] += 1
-        self.kv_slots[row] = block * self.block_size - 1  # the next advance moves it to the block's first slot
+        self.add_blocks(np.array([row]), [block])
 
     def add_blocks(self, rows: np.ndarray, blocks: list[int]) -> None:
-        """add_block for each of rows (distinct rows), at once."""
+        """Each of rows (distinct rows) starts its next token in a new block: the one of blocks at its place."""
         self.table_store[self.table_rows[rows], self.num_blocks[rows]] = blocks
         self.num_blocks[rows] += 1
-        self.kv_slots[rows] = np.asarray(blocks) * self.block_size - 1
+        self.kv_slots[rows] = np.asarray(blocks) * self.block_size - 1  # the next advance moves each to its first slot
 
     def advance(self, step_id: int) -> None:
         """Count one scheduled token for every row: the requests' counters and the arrays, in step. The rows' newest
@@ -307,7 +305,11 @@ class SteadyBatch:
 
     def release_rows(self) -> None:
         """The batch is no longer the scheduler's: its rows' requests take their newest step back."""
-        for req in self.requests:
+        self._hand_back(self.requests)
+
+    def _hand_back(self, reqs) -> None:
+        """Requests leaving the rows: their own count of steps is current again (the batch kept it meanwhile)."""
+        for req in reqs:
             req.last_step_id = self.last_step_id
 
     def events(self, tokens: list[int], keep: list[bool] | None = None) -> list[tuple[str, int]]:
