@@ -115,6 +115,7 @@ class Scheduler:
             blocks = bm.append_one_block_each([requests[row] for row in needing.tolist()])
             if blocks is None:  # too few free: as many rows as can take one, then the general path preempts
                 for row in needing.tolist():
+                    sb.sync(requests[row])  # allocate_slots reads its token count
                     if not bm.allocate_slots(requests[row], 1):
                         return None  # blocks taken so far stay with their requests
                     sb.add_block(row, requests[row].block_ids[-1])

@@ -2,8 +2,9 @@
 
 Most steps of a long generation feed one token to every running request and change nothing else. For such a
 run of steps the scheduler, the packer and the result update each work on these arrays with numpy instead of
-walking the requests: the per-request Python that is left is one short loop of counter increments when a step
-is scheduled and one when its tokens arrive.
+walking the requests: the per-request Python that is left is one short loop when a step's tokens arrive (each
+row's token appended to its request). The rows' token counts live in the batch while they are rows: a row's
+request is brought up to date (`sync`) where something reads its counts, and when it leaves.
 
 A request that finishes (length, stop token, abort) leaves the run as a deleted row; the other rows keep going,
 and the next step's carry-over reads each row's token from its old row of the step before. A request admitted
@@ -77,7 +78,11 @@ class SteadyBatch:
         # step's rows keep theirs
         self.appends = [r.output_token_ids.append for r in self.requests]
         self.last_step_id = max((r.last_step_id for r in self.requests), default=-1)  # the rows' newest step
-        self._members = set(self.requests)  # the rows' requests (hashed by identity): a finished non-row is O(1)
+        # the steps advanced so far; a row's request counts num_computed_tokens = advances + its offset here (its
+        # own fields fall behind while it is a row; sync writes them). Keyed by request (hashed by identity), so a
+        # finished non-row is found out in O(1)
+        self.advances = 0
+        self._offsets = {r: r.num_computed_tokens for r in self.requests}
         # (capacity, max_blocks) the rows' KV blocks: row i's in store row table_rows[i], so a row that leaves or
         # joins moves one index, not the tables of the rows after it; a row's entries past its num_blocks are stale
         # (valid block ids, never read)
@@ -167,7 +172,7 @@ class SteadyBatch:
         if req in self.joiners:
             self.joiners.remove(req)
             return
-        if req in self._members:  # most finishing requests left the rows already (retired at their length limit)
+        if req in self._offsets:  # most finishing requests left the rows already (retired at their length limit)
             self._delete(np.array([self.requests.index(req)]))
 
     def retire_rows_at_length_limit(self) -> None:
@@ -184,9 +189,7 @@ class SteadyBatch:
         self._free_store_rows.extend(self.table_rows[rows].tolist())
         appends = self.appends.copy()  # a new list: a packed step's rows keep theirs
         for row in sorted(rows.tolist(), reverse=True):  # a few rows: each del moves the rows after it, in C
-            req = self.requests[row]
-            self._hand_back((req,))
-            self._members.discard(req)
+            self._hand_back((self.requests[row],))
             del self.requests[row], self.request_ids[row], self.streamed[row], appends[row]
         self.appends = appends
         self._set_arrays(self._ints.compress(keep, axis=1))
@@ -221,7 +224,7 @@ class SteadyBatch:
     def _append(self, reqs: list[Request], src_rows: np.ndarray) -> None:
         self.requests.extend(reqs)
         self.appends = self.appends + [r.output_token_ids.append for r in reqs]
-        self._members.update(reqs)
+        self._offsets.update((r, r.num_computed_tokens - self.advances) for r in reqs)
         self.request_ids.extend(r.request_id for r in reqs)
         self.streamed.extend(not r.final_only for r in reqs)
         self._set_arrays(np.concatenate([self._ints, self._columns(reqs, src_rows.tolist())], axis=1))
@@ -283,13 +286,25 @@ class SteadyBatch:
         self.kv_slots[rows] = np.asarray(blocks) * self.block_size - 1  # the next advance moves each to its first slot
 
     def advance(self, step_id: int) -> None:
-        """Count one scheduled token for every row: the requests' counters and the arrays, in step. The rows' newest
-        step is the batch's (last_step_id), written to each request when it leaves (release_rows, _delete)."""
-        for req in self.requests:
-            req.num_computed_tokens += 1
-            req.num_tokens += 1
+        """Count one scheduled token for every row, in the batch only: its arrays, its count of steps and the rows'
+        newest step (last_step_id). The requests' own counters follow when synced (sync, and when they leave)."""
+        self.advances += 1
         self.last_step_id = step_id
         self._ints[:2] += 1  # computed and kv_slots: one more token each, in its row's last block
+
+    def sync(self, req: Request) -> None:
+        """Bring req's token counts and newest step up to date if it is a row (nothing happens otherwise). A row
+        holds exactly one token not fed yet (the one it sampled last), as when it joined."""
+        offset = self._offsets.get(req)
+        if offset is not None:
+            req.num_computed_tokens = computed = self.advances + offset
+            req.num_tokens = computed + 1
+            req.last_step_id = self.last_step_id
+
+    def sync_rows(self) -> None:
+        """sync for every row (before code that reads every row's counts: logit edits, penalties)."""
+        for req in self.requests:
+            self.sync(req)
 
     def rows_that_may_end(self, tokens: list[int]) -> np.ndarray:
         """Rows this step's tokens may end, which the general update must look at: near a length limit, or a
@@ -304,13 +319,14 @@ class SteadyBatch:
         accept_pending(self.appends, tokens, keep)
 
     def release_rows(self) -> None:
-        """The batch is no longer the scheduler's: its rows' requests take their newest step back."""
-        self._hand_back(self.requests)
+        """The batch is no longer the scheduler's: its rows' requests take their counts and newest step back."""
+        self._hand_back(list(self.requests))
 
     def _hand_back(self, reqs) -> None:
-        """Requests leaving the rows: their own count of steps is current again (the batch kept it meanwhile)."""
+        """Requests leaving the rows: their own counts are current again (the batch kept them meanwhile)."""
         for req in reqs:
-            req.last_step_id = self.last_step_id
+            self.sync(req)
+            del self._offsets[req]
 
     def events(self, tokens: list[int], keep: list[bool] | None = None) -> list[tuple[str, int]]:
         """(request_id, token) for each streamed row (with keep: of the rows it marks), made into outputs by the

@@ -42,6 +42,11 @@ class StepUpdater:
             if steady is not None:  # the steady rows are done but the risky ones; joiners follow the general rules
                 (events, risky), first = steady, st.batch.num_steady_rows
         rows = [*risky, *range(first, len(result.requests))]
+        current = self.scheduler.steady
+        if current is not None:  # rows of the current steady run (the risky ones, joiners since) read their counts
+            requests = result.requests
+            for i in rows:
+                current.sync(requests[i])
         self._update_rows(result, rows, next_state, events, finish)
         bm = self.block_manager
         if bm.enable_prefix_caching:

@@ -267,6 +267,8 @@ class SlotPacker:
             fill_padding_rows(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])
         prompt = output = None
         if flags["any_penalty"]:
+            if sb is not None:
+                sb.sync_rows()  # the output tables below follow each row's token count
             prompt = pad_token_table([r.prompt_token_ids for r in reqs], rows, self.device)
             # outputs before this step's input token; the input token itself is appended on the device
             output = pad_token_table([r.output_token_ids[:max(0, r.num_computed_tokens - 1 - r.num_prompt_tokens)]

@@ -167,7 +167,10 @@ class ModelRunner:
             sampling = self.packer.sampling_rows(st, rows)
         if tokens is not None:
             self.packer.pad_mixed(slot, B, T, tokens, n, self.graphs.logits_rows(tokens))
-        edits = logit_edits(st.sampled, self.device, self._rows_without_edits(st))
+        skipped = self._rows_without_edits(st)
+        if not skipped and batch.steady is not None:
+            batch.steady.sync_rows()  # the edits read the rows' token counts
+        edits = logit_edits(st.sampled, self.device, skipped)
         prev_slot = self.pipeline.other(slot) if prev is not None and prev.sampled else None
         eager = (bucket is None and tokens is None) or self.graphs.eager
         width, max_len = self._context(st) if eager else (0, 0)  # captured graphs read the whole block table

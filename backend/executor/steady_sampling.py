@@ -51,7 +51,7 @@ class SteadySamplingRows:
             fill_padding_rows(host_f, host_i, host_k)
             return dict(_PLAIN_GREEDY_FLAGS)
         if sb is not self._batch or (sb.version != self._version and not self._follow(sb)):
-            self._f, self._i = self._read_rows(sb.requests, sb.computed)
+            self._f, self._i = self._read_rows(sb.requests)
             self._batch, self._version = sb, sb.version
             self._flags = self._batch_flags()
         host_f[:] = self._f
@@ -78,15 +78,16 @@ class SteadySamplingRows:
     def _add_rows(self, reqs: list) -> None:
         """The joiners' settings, read from them now with their token count of now (the step index and the count
         move together from here, as the kept rows' do)."""
-        f, i = self._read_rows(reqs, [r.num_computed_tokens for r in reqs])
+        f, i = self._read_rows(reqs)
         self._f = np.concatenate([self._f, f], axis=1)
         self._i = np.concatenate([self._i, i], axis=1)
 
     @staticmethod
-    def _read_rows(reqs: list, computed) -> tuple[np.ndarray, np.ndarray]:
-        """The kept arrays' columns for reqs, read from the requests; computed: their token counts, read with them."""
+    def _read_rows(reqs: list) -> tuple[np.ndarray, np.ndarray]:
+        """The kept arrays' columns for reqs, read from the requests. The step index less the token count is the
+        same whether or not a row's request is synced (SteadyBatch.sync): both fall behind together."""
         f, i = request_columns(reqs)
-        i[_STEP_LESS_COUNT] -= computed
+        i[_STEP_LESS_COUNT] -= np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
         return f, i
 
     def _batch_flags(self) -> dict:

@@ -275,6 +275,7 @@ def test_steady_sampling_rows_follow_rows_leaving_and_joining():
     finally:
         steady_sampling.request_columns = real
     assert reads == [2]  # the two joiners only
+    sb.sync_rows()  # the rows' requests read their counts from the batch (advance counts in the batch only)
     want = arrays(len(sb))
     want_flags = sampler.fill_host_rows([r.params for r in sb.requests], [r.seed for r in sb.requests],
                                         [r.num_output_tokens - 1 for r in sb.requests], *want)
@@ -340,6 +341,54 @@ def test_plain_greedy_steady_rows_sample_as_neutral_greedy_rows_without_reading_
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     assert flags == want_flags and flags["any_top_k"] and not flags["all_greedy"]
+
+
+def test_rows_count_their_tokens_in_the_batch_and_their_requests_catch_up_when_synced_or_leaving():
+    """advance counts in the batch only: a row's request keeps its counts until it is synced, and then they are what
+    counting every step on the request would have given; a row that leaves, and every row when the batch is
+    released, takes its counts and newest step back; a request that is no row is left alone."""
+    import numpy as np
+
+    from backend.core.steady_batch import SteadyBatch
+    from backend.request import Request
+
+    def request(i):
+        req = Request(f"r{i}", [3] * (4 + i), SamplingParams(max_tokens=50), seed=i, eos_token_ids=frozenset({2}))
+        req.num_computed_tokens = req.num_prompt_tokens + i  # i outputs fed, the next one pending
+        req.num_tokens = req.num_computed_tokens + 1
+        req.block_ids = [2 * i + 1, 2 * i + 2]
+        return req
+
+    def counts(req):
+        return req.num_computed_tokens, req.num_tokens, req.last_step_id
+
+    reqs = [request(i) for i in range(4)]
+    start = [counts(r) for r in reqs]
+    sb = SteadyBatch(reqs, block_size=16, max_model_len=256, max_blocks=8)
+    sb.advance(10)
+    sb.advance(11)
+    assert [counts(r) for r in reqs] == start  # the requests are not walked
+    assert sb.computed.tolist() == [c + 2 for c, _, _ in start]
+    sb.sync(reqs[0])
+    assert counts(reqs[0]) == (start[0][0] + 2, start[0][1] + 2, 11)
+    assert counts(reqs[2]) == start[2]
+    sb._delete(np.array([1]))  # r1 leaves: it takes its counts back, and the batch forgets it
+    assert counts(reqs[1]) == (start[1][0] + 2, start[1][1] + 2, 11)
+    joiner = request(7)
+    sb._append([joiner], np.array([0]))
+    sb.advance(12)
+    sb.sync(joiner)  # counted from when it joined: one step
+    assert counts(joiner) == (joiner.num_prompt_tokens + 8, joiner.num_prompt_tokens + 9, 12)
+    reqs[1].num_computed_tokens = -5  # no row any more: sync leaves it alone
+    sb.sync(reqs[1])
+    assert reqs[1].num_computed_tokens == -5
+    sb.release_rows()
+    assert [counts(r) for r in (reqs[0], reqs[2], reqs[3])] == [(c + 3, t + 3, 12) for c, t, _ in
+                                                                 (start[0], start[2], start[3])]
+    assert sb.computed.tolist() == [r.num_computed_tokens for r in sb.requests]
+    sb.advance(13)  # a released batch's rows are the scheduler's again: syncing changes nothing
+    sb.sync_rows()
+    assert counts(reqs[0]) == (start[0][0] + 3, start[0][1] + 3, 12)
 
 
 def test_rows_gone_since_follows_deletes_and_appends():
@@ -473,6 +522,7 @@ def test_each_steady_pack_writes_every_rows_kv_slot_and_block_table_as_its_reque
         real_pack(self, st, prev)
         h, bs = st.slot.np, self.block_size
         for i, req in enumerate(st.batch.steady.requests):
+            st.batch.steady.sync(req)  # the batch counts its rows' tokens; the request's own counts catch up
             pos = req.num_computed_tokens - 1
             assert h["positions"][i] == pos
             assert h["slot_mapping"][i] == req.block_ids[pos // bs] * bs + pos % bs
