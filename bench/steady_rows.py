@@ -21,7 +21,7 @@ from backend.executor.pipeline import Pipeline, SlotLayout
 from backend.request import Request, SamplingParams
 from backend.runtime.timeline import Timeline
 
-BLOCK_SIZE, MAX_BLOCKS = 16, 320  # up to 5,120 tokens a row: a 2,000-token prompt and 2,000 steps fit
+BLOCK_SIZE, MAX_BLOCKS = 16, 2048  # the block-table width of a 32K max_model_len, the engine's default cap
 
 
 class _Blocks:
