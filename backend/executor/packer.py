@@ -149,10 +149,9 @@ class SlotPacker:
                     tables[grown, cols] = sb.table_store[sb.table_rows[grown], cols]
                 slot.steady_tables = (sb.serial, sb.version, sb.num_blocks.copy())
                 return
-        # whole rows, as far as the longest row's blocks reach: a row's entries past its own blocks are never read,
-        # and a row of the layout's width is far wider than most (2,048 entries at 32K tokens, 8 KiB)
-        width = int(sb.num_blocks.max(initial=0))
-        tables[:n, :width] = sb.table_store[sb.table_rows, :width]
+        # whole rows, gathered straight into the slot (the store's width is the slot's); mode="clip" because with
+        # out= numpy's default bounds mode gathers into a temporary first, and every table row index is in range
+        np.take(sb.table_store, sb.table_rows, axis=0, out=tables[:n], mode="clip")
         slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
         slot.steady_tables = (sb.serial, sb.version, sb.num_blocks.copy())
 
