@@ -391,6 +391,70 @@ def test_rows_count_their_tokens_in_the_batch_and_their_requests_catch_up_when_s
     assert counts(reqs[0]) == (start[0][0] + 3, start[0][1] + 3, 12)
 
 
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_the_general_update_sees_the_counts_the_steady_batch_keeps(root, async_pipeline, monkeypatch):
+    """Requests the general update looks at (risky rows, joiners that became rows since their step was scheduled)
+    hold the token counts the steady batch keeps for them, though advance counts in the batch only."""
+    from backend.core.step_update import StepUpdater
+
+    real, checked = StepUpdater._update_rows, [0]
+
+    def update_rows(self, result, rows, next_state, events, finish):
+        sb = self.scheduler.steady
+        if sb is not None:
+            where = {id(r): row for row, r in enumerate(sb.requests)}
+            for i in rows:
+                req, row = result.requests[i], where.get(id(result.requests[i]))
+                if row is not None:
+                    assert (req.num_computed_tokens, req.num_tokens) == (sb.computed[row], sb.computed[row] + 1)
+                    checked[0] += 1
+        real(self, result, rows, next_state, events, finish)
+
+    monkeypatch.setattr(StepUpdater, "_update_rows", update_rows)
+    path = build_tiny("llama", root)
+    prompts = random_prompts([5, 11, 3, 8, 14, 6, 9, 4], seed=17)
+    lengths = [19, 7, 26, 12, 9, 23, 15, 30]
+    engine = make_engine(path, async_pipeline, max_num_seqs=3)
+    try:
+        outs = engine.generate(prompts, [greedy(n) for n in lengths])
+        assert engine.stats()["steady_steps"] > 0
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, n) for p, n in zip(prompts, lengths)]
+    assert checked[0] > 0
+
+
+@pytest.mark.parametrize("async_pipeline", MODES)
+def test_steady_rows_that_run_out_of_kv_blocks_take_them_one_by_one_and_equal_transformers(
+        root, async_pipeline, monkeypatch):
+    """Too few free blocks for every steady row that needs one: the rows take blocks one at a time by their token
+    counts (the batch's, the requests' own having fallen behind), then the general path preempts; tokens stay
+    transformers' and every block comes back."""
+    from backend.core.kv_cache import BlockManager
+
+    real, short = BlockManager.append_one_block_each, [0]
+
+    def append_one_block_each(self, reqs):
+        blocks = real(self, reqs)
+        short[0] += blocks is None
+        return blocks
+
+    monkeypatch.setattr(BlockManager, "append_one_block_each", append_one_block_each)
+    path = build_tiny("llama", root)
+    prompts = random_prompts([6, 9, 5, 7], seed=53)
+    lengths = [40, 36, 44, 38]
+    engine = make_engine(path, async_pipeline, num_kv_blocks=36, max_num_seqs=4)
+    try:
+        outs = engine.generate(prompts, [greedy(n) for n in lengths])
+        stats = engine.stats()
+        assert stats["steady_steps"] > 0 and stats["preemptions"] > 0
+        assert kv_blocks_used_after_settling(engine) == 0
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, n) for p, n in zip(prompts, lengths)]
+    assert short[0] > 0
+
+
 def test_rows_gone_since_follows_deletes_and_appends():
     """Which of a version's rows left since: deletes compose, appends keep the old rows' indices, and a change that
     is no longer recorded gives None."""
