@@ -47,7 +47,7 @@ def test_greedy_batch_equals_transformers(root, family, async_pipeline, graphs):
         outs = engine.generate(prompts, [greedy(n) for n in lengths])
         assert [o.token_ids for o in outs] == want
         assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
-        assert engine.stats()["kv_blocks_used"] == 0
+        assert kv_blocks_used_after_settling(engine) == 0
     finally:
         engine.shutdown()
 
@@ -130,7 +130,7 @@ def test_one_token_prefill_chunks_beside_decodes(root, async_pipeline):
     try:
         outs = engine.generate(prompts, greedy(12))
         assert [o.token_ids for o in outs] == want
-        assert engine.stats()["kv_blocks_used"] == 0
+        assert kv_blocks_used_after_settling(engine) == 0
     finally:
         engine.shutdown()
 
@@ -146,7 +146,7 @@ def test_preemption_keeps_outputs_equal(root, async_pipeline):
         outs = engine.generate(prompts, greedy(24))
         assert [o.token_ids for o in outs] == want
         assert engine.stats()["preemptions"] > 0
-        assert engine.stats()["kv_blocks_used"] == 0
+        assert kv_blocks_used_after_settling(engine) == 0
     finally:
         engine.shutdown()
 
@@ -418,7 +418,7 @@ def test_injected_fault_fails_inflight_requests_and_engine_recovers(root):
         outs = engine.generate(random_prompts([4, 9, 13], seed=61), greedy(20))
         assert [o.finish_reason for o in outs] == ["error"] * 3
         assert all("injected fault" in o.error for o in outs)
-        assert engine.stats()["kv_blocks_used"] == 0
+        assert kv_blocks_used_after_settling(engine) == 0
         assert engine.healthy
         short = engine.generate([[5, 6, 7]], greedy(2))[0]  # fits between two faults
         assert short.finish_reason == "length" and len(short.token_ids) == 2

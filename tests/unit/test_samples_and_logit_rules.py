@@ -59,7 +59,7 @@ def test_greedy_samples_share_the_prompt_blocks_and_equal_transformers(engine, p
     assert [o.num_cached_tokens for o in outs] == [0, 12, 12]
     # the prompt once, one token each for the other samples' last prompt token, then 9 decode tokens per sample
     assert recorder.tokens == 13 + 2 * 1 + 3 * 9
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert kv_blocks_used_after_settling(engine) == 0
 
 
 def test_seeded_samples_equal_single_requests_with_consecutive_seeds(engine):
