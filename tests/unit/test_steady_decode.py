@@ -39,6 +39,17 @@ def greedy(n, **kw):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
+def generate_in_steady_runs(path, async_pipeline, prompts, lengths, **kw):
+    """Greedy outputs of prompts (lengths new tokens each) from a fresh engine that took steady steps."""
+    engine = make_engine(path, async_pipeline, **kw)
+    try:
+        outs = engine.generate(prompts, [greedy(n) for n in lengths])
+        assert engine.stats()["steady_steps"] > 0
+        return outs
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("async_pipeline", MODES)
 def test_steady_runs_equal_transformers_and_hash_their_output_blocks(root, async_pipeline):
     """Requests finish at different steps, so steady runs end and start again; every KV block a run writes
@@ -415,12 +426,7 @@ def test_the_general_update_sees_the_counts_the_steady_batch_keeps(root, async_p
     path = build_tiny("llama", root)
     prompts = random_prompts([5, 11, 3, 8, 14, 6, 9, 4], seed=17)
     lengths = [19, 7, 26, 12, 9, 23, 15, 30]
-    engine = make_engine(path, async_pipeline, max_num_seqs=3)
-    try:
-        outs = engine.generate(prompts, [greedy(n) for n in lengths])
-        assert engine.stats()["steady_steps"] > 0
-    finally:
-        engine.shutdown()
+    outs = generate_in_steady_runs(path, async_pipeline, prompts, lengths, max_num_seqs=3)
     assert [o.token_ids for o in outs] == [hf_greedy(path, p, n) for p, n in zip(prompts, lengths)]
     assert checked[0] > 0
 
@@ -642,10 +648,5 @@ def test_a_finishing_request_knows_the_newest_step_that_holds_it_and_its_pending
     path = build_tiny("llama", root)
     prompts = random_prompts([6, 3, 12, 5, 9, 4, 15, 7], seed=41)
     lengths = [17, 28, 9, 22, 13, 31, 6, 19]
-    engine = make_engine(path, async_pipeline, max_num_seqs=4)
-    try:
-        outs = engine.generate(prompts, [greedy(n) for n in lengths])
-        assert engine.stats()["steady_steps"] > 0
-    finally:
-        engine.shutdown()
+    outs = generate_in_steady_runs(path, async_pipeline, prompts, lengths, max_num_seqs=4)
     assert [len(o.token_ids) for o in outs] == lengths and len(finished) == len(prompts)
