@@ -6,8 +6,9 @@ walking the requests: the per-request Python that is left is one short loop when
 row's token appended to its request). The rows' token counts live in the batch while they are rows: a row's
 request is brought up to date (`sync`) where something reads its counts, and when it leaves.
 
-A request that finishes (length, stop token, abort) leaves the run as a deleted row; the other rows keep going,
-and the next step's carry-over reads each row's token from its old row of the step before. A request admitted
+A request that finishes (length, stop token, abort) leaves the run as a deleted row, whose place the last row takes
+(so one row moves, and a slot rewrites one block-table row, not those of every row after it); the other rows keep
+going, and the next step's carry-over reads each row's token from its old row of the step before. A request admitted
 during the run is a joiner: its prefill chunks follow the rows in the same steps, by the general rules, and once
 it has sampled its first token it becomes a row at the end. The update of a step whose rows changed after it was
 packed, or that samples a stop token or nears a length limit, is the general one. A preemption ends the run.
@@ -33,8 +34,8 @@ class PackedRows:
     streamed_ids: list[str]
     appends: list  # each row's output_token_ids.append
     stop_ids: frozenset
-    computed: np.ndarray  # (rows,) tokens counted, this step's included
-    token_cap: np.ndarray  # (rows,)
+    computed: np.ndarray  # (rows,) tokens counted, this step's included (a copy: the batch's columns change in place)
+    token_cap: np.ndarray  # (rows,) a copy too
 
     def rows_that_may_end(self, tokens: list[int]) -> np.ndarray:
         """As SteadyBatch.rows_that_may_end, with one more token of margin: these counts predate the next step's."""
@@ -42,6 +43,15 @@ class PackedRows:
         if not self.stop_ids.isdisjoint(tokens):
             risky |= np.isin(np.asarray(tokens), np.fromiter(self.stop_ids, dtype=np.int64))
         return risky.nonzero()[0]
+
+
+@dataclass(frozen=True, slots=True)
+class RowsTaken:
+    """How rows were deleted: row j of the batch after is row order[j] of the one before; deleted: the rows deleted
+    (of the rows before)."""
+
+    order: np.ndarray
+    deleted: list[int]
 
 
 def accept_pending(appends: list, tokens: list[int], keep: list[bool] | None = None) -> None:
@@ -65,7 +75,7 @@ class SteadyBatch:
 
     # per-row int64 arrays: the rows of one matrix (_ints), so a row change rebuilds one array, not six; each name
     # is a view of its matrix row (in-place updates reach the matrix), rebound whenever the matrix is replaced
-    _INTS = ("computed", "kv_slots", "token_cap", "num_blocks", "table_rows", "src_rows")
+    _INTS = ("computed", "kv_slots", "token_cap", "num_blocks", "table_rows", "table_ids", "src_rows")
 
     def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
         self.serial = next(_SERIALS)
@@ -88,6 +98,9 @@ class SteadyBatch:
         # (valid block ids, never read)
         self.table_store = np.zeros((max(2 * len(self.requests), 16), max_blocks), dtype=np.int32)
         self._free_store_rows = list(range(len(self.table_store) - 1, -1, -1))  # a stack, the lowest row on top
+        # each row's store row gets a number never given before in this batch (table_ids), so a slot can tell the
+        # block-table rows it holds from a store row reused by a later row
+        self._table_ids = count()
         # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
         self._set_arrays(self._columns(self.requests, range(len(self.requests))))
         # per row, whether its caller streams: it gets a (request_id, token) event every step
@@ -99,8 +112,9 @@ class SteadyBatch:
         self._arange = np.arange(2 * len(self.requests))
         self._index_rows()
         self.version = 0  # bumped whenever rows leave or join: a step packed under another version has other rows
-        # how each recent version came from the one before: ("keep", mask of the rows kept) or ("append", requests
-        # added at the end), so per-row state kept elsewhere can follow the rows without reading every request
+        # how each recent version came from the one before: ("take", RowsTaken) or ("append", requests added at the
+        # end), so per-row state kept elsewhere can follow the rows without reading
+        # every request
         self.changes: dict[int, tuple[str, object]] = {}
         # running requests admitted during the run, not rows yet (prefilling); and, for those the step packed last
         # sampled, their output row there
@@ -116,12 +130,14 @@ class SteadyBatch:
         # next position lies in its last block or in the block added for it); token_cap: a row may take a steady
         # step only while its token count stays below it (max_tokens, max_model_len); src_rows: its row in the step
         # packed last (carry-over reads that step's sampled token from there)
+        rows = self._store_tables(reqs)
         return np.array([[r.num_computed_tokens for r in reqs],
                          [r.block_ids[(r.num_computed_tokens - 1) // bs] * bs + (r.num_computed_tokens - 1) % bs
                           for r in reqs],
                          [min(cap, r.num_prompt_tokens + r.params.max_tokens) for r in reqs],
                          [len(r.block_ids) for r in reqs],
-                         self._store_tables(reqs),
+                         rows,
+                         [next(self._table_ids) for _ in rows],
                          list(src_rows)], dtype=np.int64).reshape(len(self._INTS), len(reqs))
 
     def _store_tables(self, reqs: list[Request]) -> np.ndarray:
@@ -148,7 +164,8 @@ class SteadyBatch:
 
     def _set_arrays(self, ints: np.ndarray) -> None:
         self._ints = ints
-        self.computed, self.kv_slots, self.token_cap, self.num_blocks, self.table_rows, self.src_rows = ints
+        (self.computed, self.kv_slots, self.token_cap, self.num_blocks, self.table_rows, self.table_ids,
+         self.src_rows) = ints
 
     def _index_rows(self) -> None:
         streamed = self.streamed
@@ -183,18 +200,27 @@ class SteadyBatch:
             self._delete(rows)
 
     def _delete(self, rows: np.ndarray) -> None:
-        """Delete these rows (distinct)."""
-        keep = np.ones(len(self.requests), dtype=bool)
-        keep[rows] = False
+        """Delete these rows (distinct): each one's place is taken by the last row then, so the rows kept stay where
+        they were but those moved into the holes (recorded as ("take", RowsTaken))."""
         self._free_store_rows.extend(self.table_rows[rows].tolist())
         appends = self.appends.copy()  # a new list: a packed step's rows keep theirs
-        for row in sorted(rows.tolist(), reverse=True):  # a few rows: each del moves the rows after it, in C
+        lists, ints = (self.requests, self.request_ids, self.streamed, appends), self._ints
+        order, m = np.arange(len(self.requests)), len(self.requests)
+        for row in sorted(rows.tolist(), reverse=True):  # the last row is never one still to delete
             self._hand_back((self.requests[row],))
-            del self.requests[row], self.request_ids[row], self.streamed[row], appends[row]
+            m -= 1
+            for values in lists:
+                last = values.pop()
+                if row < m:
+                    values[row] = last
+            if row < m:
+                ints[:, row] = ints[:, m]  # in place: a packed step keeps copies of the columns it reads later
+                order[row] = order[m]
         self.appends = appends
-        self._set_arrays(self._ints.compress(keep, axis=1))
+        order = order[:m]
+        self._set_arrays(ints[:, :m])
         self._index_rows()
-        self._changed(("keep", keep))
+        self._changed(("take", RowsTaken(order, rows.tolist())))
 
     def packed(self, sampled: list[Request]) -> None:
         """A step was packed from these rows (then the joiners' rows of `sampled`, the step's sampled requests):
@@ -204,7 +230,7 @@ class SteadyBatch:
         self.joiner_rows = {id(r): row for row, r in enumerate(sampled[n:], start=n)} if len(sampled) > n else {}
         # the lists below are replaced, never changed in place, when rows leave or join: references suffice
         self.packed_rows[self.version] = PackedRows(self.streamed_rows, self.streamed_ids, self.appends, self.stop_ids,
-                                                    self.computed.copy(), self.token_cap)
+                                                    self.computed.copy(), self.token_cap.copy())
         while len(self.packed_rows) > 3:  # the steps in flight need theirs; versions may jump several a step
             del self.packed_rows[next(iter(self.packed_rows))]  # the oldest (dicts keep insertion order)
 
@@ -252,19 +278,22 @@ class SteadyBatch:
         changes = self.changes_since(version)
         if changes is None:
             return None
-        # those rows stay the batch's first rows, in order (appended rows go after them), so each kept mask's
-        # leading entries are about the ones still there
-        keeps = [change for kind, change in changes if kind == "keep"]
-        if not keeps:
+        takes = [change for kind, change in changes if kind == "take"]
+        if not takes:  # appends alone keep every row where it was
             return []
-        if len(keeps) == 1:  # the common case: one delete since the step was packed
-            return (~keeps[0][:n]).nonzero()[0].tolist()
-        survivors = np.arange(n)  # which of the n rows the leading rows are now
-        for keep in keeps:
-            survivors = survivors[keep[:len(survivors)]]
-        gone = np.ones(n, dtype=bool)
-        gone[survivors] = False
-        return gone.nonzero()[0].tolist()
+        if len(takes) == 1:  # the common case: rows were deleted once (appends keep the rows before them in place)
+            return sorted(row for row in takes[0].deleted if row < n)
+        # per row, its row then (n and past: appended since; None while that is the row itself, as after appends
+        # alone, which number the appended rows n and past)
+        origin = None
+        for kind, change in changes:
+            if kind == "take":
+                origin = change.order if origin is None else origin[change.order]
+            elif origin is not None:
+                origin = np.concatenate([origin, np.full(len(change), n)])
+        gone = np.ones(n + 1, dtype=bool)
+        gone[np.minimum(origin, n)] = False
+        return gone[:n].nonzero()[0].tolist()
 
     @staticmethod
     def eligible(req: Request) -> bool:

@@ -137,23 +137,35 @@ class SlotPacker:
 
     @staticmethod
     def _write_steady_tables(slot: Slot, sb: SteadyBatch) -> None:
-        """The steady rows' block tables into the slot's rows [0, rows): only the blocks added since the slot was
-        last packed from the same rows (two steps ago: a block at most per row), else whole rows."""
+        """The steady rows' block tables into the slot's rows [0, rows): whole rows only where the slot holds another
+        row's (a row moved into a deleted one's place, a joiner), else the blocks added since the slot was last
+        packed (two steps ago: a block at most per row)."""
         n, tables, held = len(sb), slot.np["block_tables"], slot.steady_tables
-        if held is not None and held[0] == sb.serial and held[1] == sb.version:
-            before = held[2]
-            grown = (sb.num_blocks != before).nonzero()[0]
-            if not grown.size or (sb.num_blocks[grown] - before[grown]).max() == 1:
-                if grown.size:
-                    cols = before[grown]
+        if held is None or held[0] != sb.serial:
+            held = slot.steady_tables = (sb.serial, np.full(len(tables), -1, dtype=np.int64),
+                                         np.zeros(len(tables), dtype=np.int64))
+        ids, counts = held[1][:n], held[2][:n]  # views: written below
+        moved = (ids != sb.table_ids).nonzero()[0]
+        if moved.size > n // 2:  # a new batch in this slot: every row, gathered straight into the slot (the store's
+            # width is the slot's); mode="clip" because with out= numpy's default bounds mode gathers into a
+            # temporary first, and every table row index is in range
+            np.take(sb.table_store, sb.table_rows, axis=0, out=tables[:n], mode="clip")
+            slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
+        else:
+            if moved.size:
+                tables[moved] = sb.table_store[sb.table_rows[moved]]
+                for row in moved.tolist():
+                    slot.table_owners[row] = None
+                counts[moved] = sb.num_blocks[moved]
+            grown = (counts != sb.num_blocks).nonzero()[0]
+            if grown.size:
+                if (sb.num_blocks[grown] - counts[grown]).max() == 1:
+                    cols = counts[grown]
                     tables[grown, cols] = sb.table_store[sb.table_rows[grown], cols]
-                slot.steady_tables = (sb.serial, sb.version, sb.num_blocks.copy())
-                return
-        # whole rows, gathered straight into the slot (the store's width is the slot's); mode="clip" because with
-        # out= numpy's default bounds mode gathers into a temporary first, and every table row index is in range
-        np.take(sb.table_store, sb.table_rows, axis=0, out=tables[:n], mode="clip")
-        slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
-        slot.steady_tables = (sb.serial, sb.version, sb.num_blocks.copy())
+                else:
+                    tables[grown] = sb.table_store[sb.table_rows[grown]]
+        ids[:] = sb.table_ids
+        counts[:] = sb.num_blocks
 
     def _pack_mixed(self, st: StepState, prev: StepState | None, first: int = 0) -> None:
         """Prefill chunks (every token known on the host) beside decode rows; from request `first` on (the ones
@@ -195,6 +207,8 @@ class SlotPacker:
         """Row first + b of the slot's block table holds reqs[b]'s blocks; only blocks added since the slot last
         held that same list are written."""
         tables, owners = slot.np["block_tables"], slot.table_owners
+        if slot.steady_tables is not None:  # these rows hold no steady row's blocks now
+            slot.steady_tables[1][first:first + len(reqs)] = -1
         for b, req in enumerate(reqs, start=first):
             blocks = req.block_ids
             owner = owners[b]
@@ -231,6 +245,8 @@ class SlotPacker:
         h["logits_idx"][start:end] = np.arange(start, end)
         h["block_tables"][start:end, 0] = NULL_BLOCK
         slot.table_owners[start:end] = [None] * (end - start)
+        if slot.steady_tables is not None:
+            slot.steady_tables[1][start:end] = -1
 
     def pad_mixed(self, slot: Slot, num_seqs: int, num_tokens: int, tokens: int, num_sampled: int, rows: int) -> None:
         """A mixed graph's padding: tokens [num_tokens, tokens) written into the null block and in no sequence,

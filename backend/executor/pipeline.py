@@ -64,10 +64,10 @@ class Slot:
         self._sampling_views: dict[int, tuple[torch.Tensor, ...]] = {}
         # per block-table row: (the request's block list, blocks written), so a step writes only new blocks
         self.table_owners: list[tuple[list[int], int] | None] = [None] * S
-        # (steady batch's serial, its version, each row's block count) when rows [0, rows) hold that batch's block
-        # tables as they stood when this slot was last packed from it, or None: the next steady pack writes only the
-        # new blocks
-        self.steady_tables: tuple[int, int, np.ndarray] | None = None
+        # (steady batch's serial, per block-table row the table_ids of the steady row whose blocks it holds (-1:
+        # none), how many of them) since the slot was last packed from that batch, or None: the next steady pack
+        # writes only the rows that moved and the blocks added
+        self.steady_tables: tuple[int, np.ndarray, np.ndarray] | None = None
         # leading rows whose query_start_loc ([0, rows]) and logits_idx ([0, rows)) hold 0, 1, 2, ... in the host
         # buffers (one token and one logits row each, as steady and padding rows have): the steady pack skips them
         self.arange_rows = 0

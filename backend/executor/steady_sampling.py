@@ -31,7 +31,7 @@ class SteadySamplingRows:
 
     Within a version only each row's step index moves, by one a step for every row, as its token count does: the
     kept value is the step index less the token count, and the step index is that plus the count of now. When rows
-    leave or join, the kept arrays follow the batch's recorded changes (rows dropped by their mask, joiners'
+    leave or join, the kept arrays follow the batch's recorded changes (rows taken in their new order, joiners'
     settings read and added at the end), so only the joiners' requests are read; the batch's flags come from each
     row's kept flag bits by one OR and its top-k cutoffs by one max. Reading every request's parameters for 256
     rows costs a few hundred microseconds of Python; following a change costs a few."""
@@ -67,8 +67,8 @@ class SteadySamplingRows:
         if changes is None:
             return False
         for kind, change in changes:
-            if kind == "keep":
-                self._f, self._i = self._f[:, change], self._i[:, change]
+            if kind == "take":
+                self._f, self._i = self._f[:, change.order], self._i[:, change.order]
             else:
                 self._add_rows(change)
         self._flags = self._batch_flags()
