@@ -355,6 +355,61 @@ def test_plain_greedy_steady_rows_sample_as_neutral_greedy_rows_without_reading_
     assert flags == want_flags and flags["any_top_k"] and not flags["all_greedy"]
 
 
+def test_plain_greedy_rows_of_a_step_are_packed_as_neutral_greedy_rows_without_reading_their_settings():
+    """A step whose sampled requests are all plain greedy (whatever their cutoffs and seeds) writes the neutral
+    greedy rows and all-greedy flags without reading a request's settings; one sampled request among them brings
+    every row's own settings back, as fill_host_rows writes them."""
+    import numpy as np
+    import torch
+
+    from backend.core.scheduler import ScheduledBatch
+    from backend.executor import packer as packer_module
+    from backend.executor import sampler
+    from backend.executor.packer import SlotPacker, StepState
+    from backend.executor.pipeline import Pipeline, SlotLayout
+    from backend.request import Request
+    from backend.runtime.timeline import Timeline
+
+    def request(i, **kw):
+        req = Request(f"r{i}", [3] * (4 + i), SamplingParams(max_tokens=50, seed=i, **kw), seed=1000 + i,
+                      eos_token_ids=frozenset({2}))
+        req.num_tokens = req.num_prompt_tokens + i + 1  # i + 1 outputs, the last one pending
+        return req
+
+    layout = SlotLayout(max_tokens=16, max_seqs=8, max_blocks=2, max_logprobs=2)
+    pipe = Pipeline(layout, torch.device("cpu"), Timeline())
+    packer = SlotPacker(pipe, layout, block_size=16, device=torch.device("cpu"))
+    reads = []
+    real = packer_module.fill_request_rows
+    packer_module.fill_request_rows = lambda reqs, *a: reads.append(len(reqs)) or real(reqs, *a)
+    try:
+        greedy_reqs = [request(0, temperature=0.0), request(1, temperature=0.0, top_k=5, top_p=0.5, min_p=0.1)]
+        for reqs, read in ((greedy_reqs, False), ([*greedy_reqs, request(2, temperature=0.8, top_k=20)], True)):
+            del reads[:]
+            slot = pipe.acquire_slot()
+            host_f, host_i, host_k = slot.sampling_host
+            host_f[:], host_i[:], host_k[:] = 7, 7, 7  # what an earlier step left
+            st = StepState(ScheduledBatch(0, requests=list(reqs)), slot, sampled=list(reqs))
+            tensors = packer.sampling_rows(st, rows=4)
+            n = len(reqs)
+            want = np.zeros((6, 4), np.float32), np.zeros((2, 4), np.int64), np.zeros(4, np.int32)
+            assert reads == ([len(reqs)] if read else [])  # every row's settings read, or none
+            if read:
+                want_flags = sampler.fill_host_rows([r.params for r in reqs], [r.seed for r in reqs],
+                                                    [r.num_tokens - r.num_prompt_tokens - 1 for r in reqs],
+                                                    want[0][:, :n], want[1][:, :n], want[2][:n])
+            else:
+                sampler.fill_padding_rows(want[0][:, :n], want[1][:, :n], want[2][:n])
+                want_flags = sampler.row_flags(want[0][:, :n], want[2][:n], -1)
+            sampler.fill_padding_rows(want[0][:, n:], want[1][:, n:], want[2][n:])
+            for got, w in zip((host_f[:, :4], host_i[:, :4], host_k[:4]), want):
+                np.testing.assert_array_equal(got, w)
+            assert tensors.all_greedy == want_flags["all_greedy"] == (not read)
+            assert tensors.any_top_k == want_flags["any_top_k"] == read
+    finally:
+        packer_module.fill_request_rows = real
+
+
 def test_rows_count_their_tokens_in_the_batch_and_their_requests_catch_up_when_synced_or_leaving():
     """advance counts in the batch only: a row's request keeps its counts until it is synced, and then they are what
     counting every step on the request would have given; a row that leaves, and every row when the batch is
