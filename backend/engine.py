@@ -137,6 +137,7 @@ class Engine:
             req = Request(sample_id, token_ids, params, seed, eos, group_id=request_id, sample_index=index,
                           bad_word_ids=bad_words)
             req.final_only = not stream_outputs and not params.stop and params.logprobs is None
+            self.block_manager.prepare_prompt(req, like=samples[0] if samples else None)  # here, not in the loop
             samples.append(req)
         samples[0].forks = samples[1:]
         stream = None

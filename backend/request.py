@@ -217,6 +217,11 @@ class Request:
     forks: list["Request"] = field(default_factory=list)
     bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words as token sequences
     edits_logits: bool = False  # min_tokens, logit_bias, allowed_token_ids or bad_words: see logit_rules
+    # made where the request is made, in the caller's thread (BlockManager.prepare_prompt), so the loop neither
+    # converts nor hashes a prompt: the prompt as an int64 array (prefill chunks copy from it), and (block size,
+    # the chained prefix-cache hash of each full prompt block); None: made by the loop when first needed
+    prompt_array: Any = None
+    prompt_hashes: tuple[int, list[int]] | None = None
 
     def __post_init__(self) -> None:
         p = self.params

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 from backend.request import Request
 
 NULL_BLOCK = 0  # never handed out: padding rows of a step write their K/V here
@@ -118,18 +120,36 @@ class BlockManager:
         dst.num_computed_tokens = dst.num_cached_tokens = shared * self.block_size
 
     # ---- prefix caching ------------------------------------------------------------------------
+    def prepare_prompt(self, req: Request, like: Request | None = None) -> None:
+        """Give req its prompt as an int64 array and its full prompt blocks' hashes (like: another sample of the
+        same prompt, prepared already, whose are shared). Reads only the block size and req: callers' threads run it
+        before the loop sees the request."""
+        if like is not None:
+            req.prompt_array, req.prompt_hashes = like.prompt_array, like.prompt_hashes
+            return
+        req.prompt_array = np.asarray(req.prompt_token_ids, dtype=np.int64)
+        if self.enable_prefix_caching:
+            req.prompt_hashes = (self.block_size, prompt_block_hashes(req.prompt_token_ids, self.block_size))
+
+    def _prompt_hashes(self, req: Request) -> list[int]:
+        """req's full prompt blocks' chained hashes: as prepared, or made now (a request built without
+        prepare_prompt)."""
+        prepared = req.prompt_hashes
+        if prepared is None or prepared[0] != self.block_size:
+            prepared = req.prompt_hashes = (self.block_size, prompt_block_hashes(req.prompt_token_ids, self.block_size))
+        return prepared[1]
+
     def match_prefix(self, req: Request) -> int:
         """Share cached blocks of req's prompt; returns the number of tokens they cover."""
         if not self.enable_prefix_caching or req.block_ids:
             return 0
-        tokens = req.prompt_token_ids
+        prompt_hashes = self._prompt_hashes(req)
         # the last prompt token is always computed, so its logits exist
-        num_full = (len(tokens) - 1) // self.block_size
-        parent = 0
+        num_full = (req.num_prompt_tokens - 1) // self.block_size
         hashes: list[int] = []
         blocks: list[int] = []
         for i in range(num_full):
-            h = hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
+            h = prompt_hashes[i]
             self.prefix_queries += 1
             block = self.hash_to_block.get(h)
             if block is None:
@@ -138,7 +158,6 @@ class BlockManager:
             self.prefix_hits += 1
             hashes.append(h)
             blocks.append(block)
-            parent = h
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
@@ -159,21 +178,44 @@ class BlockManager:
         done = len(hashes)
         if full <= done:
             return
+        hash_to_block, block_hash = self.hash_to_block, self.block_hash
+        prompt_full = min(full, n // bs)
+        if done < prompt_full:  # prompt blocks: hashed already, where the request was made
+            prompt_hashes = self._prompt_hashes(req)
+            for i in range(done, prompt_full):
+                h = prompt_hashes[i]
+                hashes.append(h)
+                if h not in hash_to_block:
+                    block = blocks[i]
+                    hash_to_block[h] = block
+                    block_hash[block] = h
+            done = prompt_full
         # called for a few requests every step: the token slices are taken here, not through Request.token_slice
         parent = hashes[-1] if done else 0
-        hash_to_block, block_hash = self.hash_to_block, self.block_hash
         for i in range(done, full):
             start, end = i * bs, i * bs + bs
-            if end <= n:
-                tokens = prompt[start:end]
-            elif start >= n:
+            if start >= n:
                 tokens = outputs[start - n:end - n]
             else:
                 tokens = prompt[start:] + outputs[:end - n]
-            h = hash((parent, tuple(tokens)))
+            h = block_hash_of(parent, tokens)
             hashes.append(h)
             if h not in hash_to_block:
                 block = blocks[i]
                 hash_to_block[h] = block
                 block_hash[block] = h
             parent = h
+
+
+def block_hash_of(parent: int, tokens) -> int:
+    """The prefix-cache hash of a full block of tokens whose preceding blocks hash to parent (0: the first block)."""
+    return hash((parent, tuple(tokens)))
+
+
+def prompt_block_hashes(tokens, block_size: int) -> list[int]:
+    """The chained hash (block_hash_of) of each full block of a prompt, in order."""
+    hashes, parent = [], 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_hash_of(parent, tokens[start:start + block_size])
+        hashes.append(parent)
+    return hashes

@@ -187,7 +187,10 @@ class SlotPacker:
                 slots_[t] = blocks[start // bs] * bs + start % bs
             else:  # a prefill chunk: every token is known on the host
                 p = np.arange(start, end)
-                ids[t:t + n] = req.token_slice(start, end)
+                prompt = req.prompt_array
+                # a prompt's chunk from its array (made off the loop): no list of ints converted here
+                ids[t:t + n] = prompt[start:end] if prompt is not None and end <= req.num_prompt_tokens \
+                    else req.token_slice(start, end)
                 pos[t:t + n] = p
                 carry[t:t + n] = -1
                 slots_[t:t + n] = np.asarray(blocks)[p // bs] * bs + p % bs

@@ -40,6 +40,51 @@ def test_full_blocks_hash_as_one_chain_over_prompt_and_outputs():
         assert [at_once.hash_to_block[h] for h in want] == a.block_ids[:len(want)]
 
 
+def test_prompts_prepared_where_requests_are_made_hash_and_match_as_the_loop_would():
+    """prepare_prompt (the caller's thread) hashes a prompt's full blocks ahead: registering its blocks gives the chain
+    the loop would make itself, a later request finds them, prepared or not; hashes prepared for another block size
+    are made again; another sample shares the prepared prompt."""
+    import numpy as np
+
+    rng = random.Random(1)
+    bs = 16
+    for prompt_len in (5, 16, 37, 48):
+        prompt = [rng.randrange(1000) for _ in range(prompt_len)]
+        outputs = [rng.randrange(1000) for _ in range(40)]
+        bm = BlockManager(64, bs)
+        req = Request("r", list(prompt), SamplingParams(max_tokens=200), 0, frozenset())
+        bm.prepare_prompt(req)
+        assert req.prompt_hashes == (bs, chain(prompt, bs))
+        np.testing.assert_array_equal(req.prompt_array, prompt)
+        assert req.prompt_array.dtype == np.int64
+        assert bm.allocate_slots(req, prompt_len + len(outputs))
+        bm.register_full_blocks(req, prompt_len)
+        for tok in outputs:
+            req.output_token_ids.append(tok)
+            bm.register_full_blocks(req, prompt_len + len(req.output_token_ids) - 1)
+        assert req.block_hashes == chain(prompt + outputs, bs)[:(prompt_len + len(outputs) - 1) // bs]
+        for prepared in (False, True):  # a later request with the same prompt shares its full blocks but the last
+            later = Request("later", list(prompt), SamplingParams(max_tokens=5), 0, frozenset())
+            if prepared:
+                bm.prepare_prompt(later)
+            assert bm.match_prefix(later) == (prompt_len - 1) // bs * bs
+            assert later.block_ids == req.block_ids[:(prompt_len - 1) // bs]
+            bm.free(later)
+        sample = Request("r#1", req.prompt_token_ids, SamplingParams(max_tokens=5), 1, frozenset())
+        bm.prepare_prompt(sample, like=req)
+        assert sample.prompt_array is req.prompt_array and sample.prompt_hashes is req.prompt_hashes
+    other = BlockManager(64, 4)  # prepared for blocks of 16: made again for blocks of 4
+    other_req = Request("o", list(prompt), SamplingParams(max_tokens=5), 0, frozenset())
+    bm.prepare_prompt(other_req)
+    assert other.allocate_slots(other_req, len(prompt))
+    other.register_full_blocks(other_req, len(prompt))
+    assert other_req.block_hashes == chain(prompt, 4) and other_req.prompt_hashes == (4, chain(prompt, 4))
+    off = BlockManager(64, bs, enable_prefix_caching=False)
+    plain = Request("p", list(prompt), SamplingParams(max_tokens=5), 0, frozenset())
+    off.prepare_prompt(plain)
+    assert plain.prompt_hashes is None and plain.prompt_array is not None  # nothing hashed without prefix caching
+
+
 def test_known_tokens_and_held_blocks_bound_the_hashing():
     bm = BlockManager(64, 16)
     req = Request("r", list(range(40)), SamplingParams(max_tokens=100), 0, frozenset())
