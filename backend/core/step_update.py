@@ -1,10 +1,10 @@
 """The per-step update rules: a step's tokens are accepted, stop and length limits end requests, full KV blocks
 are hashed for prefix caching, and finished requests' blocks return (after the step that still writes them).
 
-A prompt's full blocks are hashed as its chunks are computed, so requests running beside it share them; a request's
-output blocks once, when it finishes (and when it is preempted, so its recompute finds them): only a later prompt
-can repeat an output, and a caller sends that prompt once it has the output. Hashing them as they fill cost a
-call a step for every sixteenth row."""
+A prompt's full blocks are registered as its chunks are computed (their hashes were made with the request, off the
+loop), so requests running beside it share them; a request's output blocks are hashed once, when it finishes (and
+when it is preempted, so its recompute finds them): only a later prompt can repeat an output, and a caller sends
+that prompt once it has the output. Hashing them as they fill cost a call a step for every sixteenth row."""
 from __future__ import annotations
 
 import time
