@@ -129,13 +129,12 @@ class BlockManager:
             return
         req.prompt_array = np.asarray(req.prompt_token_ids, dtype=np.int64)
         if self.enable_prefix_caching:
-            req.prompt_hashes = (self.block_size, prompt_block_hashes(req.prompt_token_ids, self.block_size))
+            self._prompt_hashes(req)
 
     def _prompt_hashes(self, req: Request) -> list[int]:
-        """req's full prompt blocks' chained hashes: as prepared, or made now (a request built without
-        prepare_prompt)."""
+        """req's full prompt blocks' chained hashes: as prepared, or made (and kept) now."""
         prepared = req.prompt_hashes
-        if prepared is None or prepared[0] != self.block_size:
+        if prepared is None or prepared[0] != self.block_size:  # made now: built without it, or for another size
             prepared = req.prompt_hashes = (self.block_size, prompt_block_hashes(req.prompt_token_ids, self.block_size))
         return prepared[1]
 
@@ -178,33 +177,23 @@ class BlockManager:
         done = len(hashes)
         if full <= done:
             return
-        hash_to_block, block_hash = self.hash_to_block, self.block_hash
         prompt_full = min(full, n // bs)
-        if done < prompt_full:  # prompt blocks: hashed already, where the request was made
-            prompt_hashes = self._prompt_hashes(req)
-            for i in range(done, prompt_full):
-                h = prompt_hashes[i]
-                hashes.append(h)
-                if h not in hash_to_block:
-                    block = blocks[i]
-                    hash_to_block[h] = block
-                    block_hash[block] = h
-            done = prompt_full
-        # called for a few requests every step: the token slices are taken here, not through Request.token_slice
-        parent = hashes[-1] if done else 0
-        for i in range(done, full):
+        # prompt blocks: hashed already, where the request was made
+        new = self._prompt_hashes(req)[done:prompt_full] if done < prompt_full else []
+        # blocks holding outputs, hashed here; called for a few requests every step: the token slices are taken
+        # here, not through Request.token_slice
+        parent = new[-1] if new else hashes[-1] if done else 0
+        for i in range(max(done, prompt_full), full):
             start, end = i * bs, i * bs + bs
-            if start >= n:
-                tokens = outputs[start - n:end - n]
-            else:
-                tokens = prompt[start:] + outputs[:end - n]
-            h = block_hash_of(parent, tokens)
+            tokens = outputs[start - n:end - n] if start >= n else prompt[start:] + outputs[:end - n]
+            parent = block_hash_of(parent, tokens)
+            new.append(parent)
+        hash_to_block, block_hash = self.hash_to_block, self.block_hash
+        for block, h in zip(blocks[done:full], new):
             hashes.append(h)
             if h not in hash_to_block:
-                block = blocks[i]
                 hash_to_block[h] = block
                 block_hash[block] = h
-            parent = h
 
 
 def block_hash_of(parent: int, tokens) -> int:

@@ -13,7 +13,7 @@ from backend.core.steady_batch import SteadyBatch
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
 from backend.executor.sampler import SamplingTensors, fill_padding_rows, fill_request_rows, pad_token_table, \
     tensors_from_rows
-from backend.executor.steady_sampling import PLAIN_GREEDY_FLAGS, SteadySamplingRows, merge_flags
+from backend.executor.steady_sampling import SteadySamplingRows, fill_plain_greedy_rows, merge_flags
 from backend.request import Request
 
 
@@ -281,9 +281,8 @@ class SlotPacker:
         first = st.batch.num_steady_rows if sb is not None and st.steady_version == sb.version else 0
         flags = self._steady_sampling.fill(sb, host_f[:, :first], host_i[:, :first], host_k[:first]) if first else None
         if n > first:  # joiners of a steady run, or every row of a general step
-            if all(r.plain_greedy for r in islice(reqs, first, None)):  # they sample alike: neutral greedy rows
-                fill_padding_rows(host_f[:, first:n], host_i[:, first:n], host_k[first:n])
-                more = dict(PLAIN_GREEDY_FLAGS)
+            if all(r.plain_greedy for r in islice(reqs, first, None)):  # they sample alike: nothing to read
+                more = fill_plain_greedy_rows(host_f[:, first:n], host_i[:, first:n], host_k[first:n])
             else:
                 more = fill_request_rows(reqs[first:], host_f[:, first:n], host_i[:, first:n], host_k[first:n])
             flags = more if flags is None else merge_flags(flags, more)

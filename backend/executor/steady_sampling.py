@@ -10,7 +10,13 @@ _NO_LOGPROBS = -1  # steady rows never ask for logprobs (SteadyBatch.eligible)
 # rows of the kept int matrix (request_columns' rows, the step index less the token count)
 _SEED, _STEP_LESS_COUNT, _TOP_K, _CUTOFF, _BITS = range(5)
 # plain-greedy rows (Request.plain_greedy) all sample alike: the argmax, whatever their seeds or cutoffs
-PLAIN_GREEDY_FLAGS = flags_of_rows(np.zeros(1, np.int64), np.zeros(1, np.int64), _NO_LOGPROBS)
+_PLAIN_GREEDY_FLAGS = flags_of_rows(np.zeros(1, np.int64), np.zeros(1, np.int64), _NO_LOGPROBS)
+
+
+def fill_plain_greedy_rows(host_f: np.ndarray, host_i: np.ndarray, host_k: np.ndarray) -> dict:
+    """Rows of plain-greedy requests: the neutral greedy rows (as padding rows) stand for them; their flags."""
+    fill_padding_rows(host_f, host_i, host_k)
+    return dict(_PLAIN_GREEDY_FLAGS)
 
 
 def merge_flags(a: dict, b: dict) -> dict:
@@ -48,8 +54,7 @@ class SteadySamplingRows:
     def fill(self, sb: SteadyBatch, host_f: np.ndarray, host_i: np.ndarray, host_k: np.ndarray) -> dict:
         """Write the settings of sb's rows into host arrays (6, n) f32, (2, n) i64, (n,) i32; return their flags."""
         if sb.all_plain_greedy:  # neutral greedy rows stand for them: nothing to read or follow
-            fill_padding_rows(host_f, host_i, host_k)
-            return dict(PLAIN_GREEDY_FLAGS)
+            return fill_plain_greedy_rows(host_f, host_i, host_k)
         if sb is not self._batch or (sb.version != self._version and not self._follow(sb)):
             self._f, self._i = self._read_rows(sb.requests)
             self._batch, self._version = sb, sb.version
