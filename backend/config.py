@@ -6,6 +6,8 @@ from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(slots=True)
@@ -16,6 +18,10 @@ class EngineConfig:
     # random:<shape> (random weights, benchmarks) or stand-in (instant tokens: times the engine's or server's own work)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # none: weights as the checkpoint holds them (an FP8 checkpoint stays FP8); fp8: a checkpoint in a wider dtype is
+    # quantized to FP8 (e4m3, per-output-channel scales) as it loads, layer by layer
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype | fp8: e4m3 K and V with per-layer scales (half the bytes)
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # fixed number of KV blocks; None: sized from memory
     kv_cache_memory_fraction: float = 0.85  # CUDA: share of free memory for KV blocks after weights
@@ -66,6 +72,10 @@ class EngineConfig:
             raise ValueError("model must be a checkpoint folder or the alias 'smollm2-135m-instruct'")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _positive("block_size", self.block_size)

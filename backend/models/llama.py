@@ -34,6 +34,15 @@ class LayerWeights:
     post_norm: torch.Tensor  # (H,)
     q_norm: torch.Tensor | None  # (D,): Qwen3 per-head RMSNorm before rope
     k_norm: torch.Tensor | None  # (D,)
+    # FP8 (e4m3) weights carry float32 scales (backend/ops/fp8.py): (N,) per output channel, or
+    # (ceil(N/128), ceil(K/128)) per 128 x 128 block; None for weights in the model's dtype
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    # (2,) float32 [k_scale, v_scale] of an FP8 KV cache (a cached value times its scale is the real value); None
+    # when the cache holds the model's dtype
+    kv_scale: torch.Tensor | None = None
 
 
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
@@ -59,7 +68,7 @@ class DecoderLayer(nn.Module):
             x, residual = ops.add_rms_norm(h, residual, self.input_norm, eps)
         # without the q/k norms only rope_attention reads qkv, and it can add split-K partials itself
         linear = ops.linear if self.q_norm is not None else ops.linear_parked
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # (T, (Hq + 2 Hkv) D), or its partial sums
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, scale=self.qkv_scale)  # (T, (Hq + 2 Hkv) D), or its partial sums
         q, k, v = qkv.split(model.qkv_sizes, dim=-1)
         t = x.shape[0]
         q = q.view(t, spec.num_heads, spec.head_dim)  # (T, Hq, D)
@@ -68,11 +77,12 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = ops.rms_norm(q, self.q_norm, eps), ops.rms_norm(k, self.k_norm, eps)
         # rotary embedding, this step's K/V into the cache, then attention over the cache: (T, Hq, D)
-        attn = ops.rope_attention(q, k, v, positions, model.cos_sin_cache, kv_layer, meta, model.scale)
-        h = ops.linear_parked(attn.reshape(t, -1), self.o_weight, self.o_bias)  # (T, H) or its partial sums
+        attn = ops.rope_attention(q, k, v, positions, model.cos_sin_cache, kv_layer, meta, model.scale,
+                                  kv_scale=self.kv_scale)
+        h = ops.linear_parked(attn.reshape(t, -1), self.o_weight, self.o_bias, scale=self.o_scale)  # (T, H) or its partial sums
         x, residual = ops.add_rms_norm(h, residual, self.post_norm, eps)
-        act = ops.linear_silu_and_mul(x, self.gate_up_weight, self.gate_up_bias)  # (T, I)
-        h = ops.linear_parked(act, self.down_weight, self.down_bias)  # (T, H) or its partial sums
+        act = ops.linear_silu_and_mul(x, self.gate_up_weight, self.gate_up_bias, scale=self.gate_up_scale)  # (T, I)
+        h = ops.linear_parked(act, self.down_weight, self.down_bias, scale=self.down_scale)  # (T, H) or its partial sums
         return h, residual
 
 

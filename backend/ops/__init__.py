@@ -22,15 +22,18 @@ class Ops:
     name: str
     rms_norm: Callable
     add_rms_norm: Callable
-    # (q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale): rotary embedding and this step's K/V into
+    # (q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale, *, kv_scale=None): rotary embedding and this step's K/V into
     # the cache (rope_write_kv), then paged attention of the rotated q over the cache; one kernel for decode steps
-    # where it can
+    # where it can. kv_scale: (2,) float32 [k_scale, v_scale] of an FP8 cache (stored = value / scale), else None
     rope_attention: Callable
-    linear: Callable  # (x, weight, bias=None, out=None): F.linear, optionally into a preallocated 2-D out
-    # (x, weight, bias=None): a linear whose output only feeds add_rms_norm or rope_attention, which read it anyway;
+    # (x, weight, bias=None, out=None, *, scale=None): F.linear, optionally into a preallocated 2-D out. scale: the
+    # float32 scales of an FP8 weight (backend/ops/fp8.py: per output channel or per 128 x 128 block), None for a
+    # weight in x's dtype
+    linear: Callable
+    # (x, weight, bias=None, *, scale=None): a linear whose output only feeds add_rms_norm or rope_attention, which read it anyway;
     # it may return split-K partials (PartialSums) for that kernel to add up
     linear_parked: Callable
-    # (x, gate_up_weight, bias=None): silu_and_mul(linear(x, gate_up_weight, bias)), in one kernel where it can
+    # (x, gate_up_weight, bias=None, *, scale=None): silu_and_mul(linear(x, gate_up_weight, bias)), in one kernel where it can
     linear_silu_and_mul: Callable
     greedy_argmax: Callable  # (logits (N, V), out (N,) int64): each row's first maximum into out
     # (logits, temperature, top_k, top_p, min_p, seeds, step_index, out, *, logprobs, ranks, lse): the whole sampler
@@ -41,8 +44,8 @@ class Ops:
 def _from_modules(name: str, layers, rope_attention: Callable, linear: Callable = _torch_layers.linear,
                   greedy_argmax: Callable = _torch_layers.greedy_argmax, linear_parked: Callable | None = None,
                   linear_silu_and_mul: Callable | None = None, sample_rows: Callable | None = None) -> Ops:
-    def unfused_linear_silu_and_mul(x, gate_up_weight, bias=None):
-        return layers.silu_and_mul(linear(x, gate_up_weight, bias))
+    def unfused_linear_silu_and_mul(x, gate_up_weight, bias=None, *, scale=None):
+        return layers.silu_and_mul(linear(x, gate_up_weight, bias, scale=scale))
 
     return Ops(
         name=name,
@@ -57,10 +60,11 @@ def _from_modules(name: str, layers, rope_attention: Callable, linear: Callable 
     )
 
 
-def _torch_rope_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale):
+def _torch_rope_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale, *, kv_scale=None):
     """The plain path's rope_attention: rope_write_kv, then paged_attention of the rotated q over the cache."""
-    q = _torch_layers.rope_write_kv(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta.slot_mapping)
-    return _torch_paged_attention(q, None, None, kv_cache_layer, meta, scale)
+    q = _torch_layers.rope_write_kv(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta.slot_mapping,
+                                    kv_scale=kv_scale)
+    return _torch_paged_attention(q, None, None, kv_cache_layer, meta, scale, kv_scale=kv_scale)
 
 
 def get_ops(backend: str, linear_backend: str = "auto", dependent_launch: bool = False) -> Ops:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.ops import fp8
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -21,11 +23,17 @@ class AttentionMetadata:
     seq_order: torch.Tensor | None = None
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter k, v (T, Hkv, D) into the layer's cache (2, NB, BS, Hkv, D) at the flat slots."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor, *,
+             kv_scale: torch.Tensor | None = None) -> None:
+    """Scatter k, v (T, Hkv, D) into the layer's cache (2, NB, BS, Hkv, D) at the flat slots; an FP8 cache stores
+    k / kv_scale[0] and v / kv_scale[1]."""
     _, nb, bs, hkv, d = kv_cache_layer.shape
     k_flat = kv_cache_layer[0].view(nb * bs, hkv, d)  # (NB*BS, Hkv, D), a view: writes land in the cache
     v_flat = kv_cache_layer[1].view(nb * bs, hkv, d)
+    if fp8.is_fp8(kv_cache_layer):
+        if kv_scale is None:
+            raise ValueError("an FP8 KV cache needs its kv_scale")
+        k, v = fp8.quantize_kv(k, kv_scale[0]), fp8.quantize_kv(v, kv_scale[1])
     k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
     v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
 
@@ -37,6 +45,8 @@ def paged_attention(
     kv_cache_layer: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of q (T, Hq, D) over each sequence's paged context -> (T, Hq, D).
 
@@ -44,9 +54,10 @@ def paged_attention(
     gathered into a padded (B, L) view. Only device ops and host ints from `meta`, so decode steps can be
     captured in a CUDA graph (shapes are static given B, Qmax and the block-table width).
     k and v None: this step's K/V are already in the cache (rope_write_kv put them there).
+    kv_scale: an FP8 cache's (2,) [k_scale, v_scale]; its values are dequantized to q's dtype as they are gathered.
     """
     if k is not None:
-        write_kv(k, v, kv_cache_layer, meta.slot_mapping)
+        write_kv(k, v, kv_cache_layer, meta.slot_mapping, kv_scale=kv_scale)
     num_tokens, hq, d = q.shape
     _, _, bs, hkv, _ = kv_cache_layer.shape
     if hq % hkv:
@@ -59,6 +70,9 @@ def paged_attention(
     q_pad = q.new_zeros(bsz, qmax, hq, d)  # (B, Qmax, Hq, D)
     q_pad[seq_idx, row] = q
     k_ctx, v_ctx, key_pos = _gather_context(kv_cache_layer, meta.block_tables, meta.max_seq_len, bs)
+    if fp8.is_fp8(kv_cache_layer):
+        k_ctx = fp8.dequantize_kv(k_ctx, kv_scale[0], q.dtype)
+        v_ctx = fp8.dequantize_kv(v_ctx, kv_scale[1], q.dtype)
 
     seq_lens = meta.seq_lens.long()  # (B,)
     q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()  # (B,)

@@ -4,12 +4,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backend.ops import fp8
 from backend.ops.torch.attention import write_kv
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); with `out` (x 2-D), the same cuBLAS product written into out instead."""
+           out: torch.Tensor | None = None, *, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); with `out` (x 2-D), the same cuBLAS product written into out instead.
+
+    scale: weight is FP8 with these scales (backend/ops/fp8.py); it is dequantized to x's dtype first, so the
+    product is exactly that of a model holding the dequantized weight (the reference the FP8 kernels are held to)."""
+    if scale is not None:
+        weight = fp8.dequantize(weight, scale, x.dtype)
+    elif fp8.is_fp8(weight):
+        raise ValueError("an FP8 weight needs its scale")
     if out is None:
         return F.linear(x, weight, bias)
     if x.dim() != 2:
@@ -59,10 +67,12 @@ def apply_rope(
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                  cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """apply_rope, then the rotated k and v into the paged cache at slot_mapping; returns the rotated q."""
+                  cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor, *,
+                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """apply_rope, then the rotated k and v into the paged cache at slot_mapping (an FP8 cache: divided by
+    kv_scale's [k_scale, v_scale]); returns the rotated q."""
     q, k = apply_rope(q, k, positions, cos_sin_cache)
-    write_kv(k, v, kv_cache_layer, slot_mapping)
+    write_kv(k, v, kv_cache_layer, slot_mapping, kv_scale=kv_scale)
     return q
 
 

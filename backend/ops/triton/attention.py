@@ -490,12 +490,15 @@ def prefill_attention(q, kv_cache_layer, meta, scale, out=None, *, block_m=None,
     return out
 
 
-def rope_paged_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale, *, pdl: bool = False):
+def rope_paged_attention(q, k, v, positions, cos_sin_cache, kv_cache_layer, meta, scale, *, pdl: bool = False,
+                         kv_scale=None):
     """rope_write_kv, then paged_attention of the rotated q over the cache; returns (T, Hq, D).
 
     q, k, v as rope_write_kv takes them (tensors, or views of one GEMM's partial sums). A decode step runs both in
     one kernel (rope_decode_attention) while its grid is one wave of programs; other steps run the two kernels."""
     _check_heads(q, kv_cache_layer)
+    if kv_scale is not None:
+        raise NotImplementedError("an FP8 KV cache on the triton path is not written yet")
     # the cache's device, not q's: q may be a view of parked partial sums (PartialSums), which has none
     if int(meta.max_query_len) == 1 and _rope_fuses(meta.seq_lens.shape[0], kv_cache_layer.shape[3],
                                                     kv_cache_layer.device):

@@ -147,7 +147,8 @@ def _stages(cfg: LinearConfig, block_m: int, itemsize: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           config: LinearConfig | None = None, *, pdl: bool = False, park: bool = False) -> torch.Tensor | PartialSums:
+           config: LinearConfig | None = None, *, pdl: bool = False, park: bool = False,
+           scale: torch.Tensor | None = None) -> torch.Tensor | PartialSums:
     """F.linear(x, weight, bias); rows ≤ MAX_ROWS of bf16/fp16 go through the decode kernel, the rest to cuBLAS.
 
     out: a (rows, N) buffer with unit stride along N to write into (x 2-D), as torch_layers.linear takes.
@@ -155,6 +156,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pdl: launch as a programmatic dependent of the previous kernel (ops/triton/launch.py).
     park: a split-K launch without bias or out returns its partials unsummed (PartialSums), for a caller whose
     next kernel adds them (triton_layers.add_rms_norm); any other launch returns y as usual."""
+    if scale is not None:
+        return torch_layers.linear(x, weight, bias, out, scale=scale)
     rows = _row_count(x)
     if (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
             or not x.is_cuda and not INTERPRET or out is not None and out.stride(-1) != 1):
@@ -190,12 +193,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        config: LinearConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
+                        config: LinearConfig | None = None, *, pdl: bool = False,
+                        scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu_and_mul(linear(x, gate_up_weight, bias)) for gate_up_weight = [gate; up] (2I, K): (…, I).
 
     Rows ≤ MAX_ROWS of bf16/fp16 without bias run one kernel whose programs each take the same W rows of both
     halves, so gate_up never goes to memory; config's block_n counts the rows of both halves. A bias, a config
     that splits K or more rows run the GEMM and triton_layers.silu_and_mul instead, with the same numerics."""
+    if scale is not None:
+        return triton_layers.silu_and_mul(linear(x, gate_up_weight, bias, scale=scale, pdl=pdl), pdl=pdl)
     rows = _row_count(x)
     two_i, k = gate_up_weight.shape
     cfg = config or choose_config(two_i, k, buffers.sm_count(x.device) if x.is_cuda else 132)
@@ -254,10 +260,13 @@ def _lookup(x: torch.Tensor, weight: torch.Tensor) -> tuple[TuningTables | None,
 
 
 def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, *, pdl: bool = False, park: bool = False) -> torch.Tensor | PartialSums:
+                 out: torch.Tensor | None = None, *, pdl: bool = False, park: bool = False,
+                 scale: torch.Tensor | None = None) -> torch.Tensor | PartialSums:
     """F.linear(x, weight, bias) through the kernel where this device's plain table lists the shape, else cuBLAS.
 
     park: the caller's next kernel can add split-K partials (linear's park); the parked table comes first."""
+    if scale is not None:
+        return linear(x, weight, bias, out, pdl=pdl, scale=scale)
     tables, key = _lookup(x, weight)
     if tables is not None:
         config = tables.parked.get(key) if park and bias is None and out is None else None
@@ -270,9 +279,11 @@ def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def tuned_linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                              pdl: bool = False) -> torch.Tensor:
+                              pdl: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu_and_mul(tuned_linear(x, gate_up_weight, bias)): one kernel where this device's gated table lists the
     gate_up shape (linear_silu_and_mul), else the tuned GEMM and triton_layers.silu_and_mul."""
+    if scale is not None:
+        return linear_silu_and_mul(x, gate_up_weight, bias, pdl=pdl, scale=scale)
     tables, key = _lookup(x, gate_up_weight) if bias is None else (None, None)
     if tables is not None:
         config = tables.gated.get(key)
