@@ -58,6 +58,12 @@ WORKLOADS = {
     # the seed article's sweet spot: long generations (RL rollouts), on the long-context config
     "blog-16k": Workload("random:llama-3.1-8b", [32], (128, 128), 16384,
                          engine=dict(max_num_seqs=32, max_num_batched_tokens=4096)),
+    # prefill: 32 prompts of 2,048 tokens and one new token each (prompt tokens/s is what it measures)
+    "prefill-8b": Workload("random:llama-3-8b", [32], (2048, 2048), 1,
+                           engine=dict(max_num_seqs=32, max_num_batched_tokens=8192)),
+    # the 70B shape, which fits one H200 only with FP8 weights (--set quantization=fp8)
+    "blog-70b": Workload("random:llama-3-70b", [32], (128, 128), 2048,
+                         engine=dict(max_num_seqs=32, max_num_batched_tokens=4096)),
     "small-64": Workload("random:llama-3.2-1b", [64], (128, 128), 1024,
                          engine=dict(max_num_seqs=64, max_num_batched_tokens=8192)),
     "small-many": Workload("random:llama-3.2-1b", [128, 256], (128, 128), 512,
@@ -142,6 +148,7 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
         summary = engine.timeline.summary()
         result = dict(mode="async" if async_pipeline else "sync", requests=len(prompts), wall_s=round(wall, 3),
                       tok_per_s=round(tokens / wall, 1), output_tokens=tokens,
+                      prompt_tok_per_s=round(sum(map(len, prompts)) / wall, 1),
                       gpu_busy=round(summary["gpu_busy_fraction"], 4),
                       cpu_us_per_step=round(summary["cpu_us_per_step"], 1), steps=summary["steps"],
                       preemptions=engine.stats()["preemptions"], cpu_us_by_phase=summary["cpu_us_by_phase"])
@@ -300,7 +307,8 @@ def _profile_engine_thread(sort: str, top: int) -> None:
 
 
 def _row(r: dict) -> str:
-    keys = ["engine", "mode", "decoding", "requests", "wall_s", "requests_per_s", "tok_per_s", "total_tok_per_s",
+    keys = ["engine", "mode", "decoding", "requests", "wall_s", "requests_per_s", "tok_per_s", "prompt_tok_per_s",
+            "total_tok_per_s",
             "prefix_hit_rate", "gpu_busy", "gpu_busy_uncertain", "gpu_kernel_busy", "cpu_us_per_step", "roofline",
             "peak_mem_gb", "steps", "preemptions", "all_tokens_exact", "cpu_us_by_phase"]
     return "  ".join(f"{k}={r[k]}" for k in keys if k in r)
