@@ -9,10 +9,19 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from backend.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from backend.models.fp8_weights import FP8Weight, fuse, quantize_on_device
 from backend.models.llama import ROTARY_CLASSES, LayerWeights, LlamaFamilyModel, build_cos_sin_cache
+from backend.models.quantized_checkpoint import (
+    CheckpointQuantization,
+    check_kv_cache_scheme,
+    read_kv_scales,
+    read_linear,
+    read_quantization,
+)
 from backend.models.random_model import is_random_checkpoint, random_weights
 from backend.models.spec import ModelSpec
-from backend.ops import get_ops
+from backend.ops import fp8, get_ops
 
 logger = logging.getLogger(__name__)
 
@@ -22,27 +31,57 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
 def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: str = "torch",
-               linear_backend: str = "auto", dependent_launch: bool = False) -> LlamaFamilyModel:
+               linear_backend: str = "auto", dependent_launch: bool = False, quantization: str = "none",
+               kv_cache_dtype: str = "auto") -> LlamaFamilyModel:
     """Read config.json and *.safetensors from `path`; never runs remote code or unpickles weights.
-    dependent_launch: the model's Triton kernels launch as programmatic dependents."""
+    dependent_launch: the model's Triton kernels launch as programmatic dependents.
+    quantization: "none" keeps the linear weights as the checkpoint stores them (an FP8 checkpoint's stay FP8,
+    backend/models/quantized_checkpoint.py); "fp8" also quantizes those it stores wide to e4m3 with per-output-channel
+    scales as they load, one weight at a time on the device. Embeddings, LM head and norms stay in dtype.
+    kv_cache_dtype: "fp8" gives each layer the [k_scale, v_scale] of an FP8 KV cache (the checkpoint's where it
+    holds them, else 1.0); "auto" gives none."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     folder = Path(path)
     device = torch.device(device)
     dtype = _resolve_dtype(dtype, device)
     config = _read_config(folder)
+    quant = read_quantization(_raw_config(folder))
+    if kv_cache_dtype == "fp8":
+        check_kv_cache_scheme(quant)
     spec = _make_spec(config, folder, dtype)
     if attention_backend == "auto":
         attention_backend = "triton" if device.type == "cuda" else "torch"
     ops = get_ops(attention_backend, linear_backend, dependent_launch)
+    quantize = quantization == "fp8"
     if is_random_checkpoint(folder):
-        weights = random_weights(folder, config, spec, dtype, device)
+        weights = random_weights(folder, config, spec, dtype, device, quantize=quantize)
+        kv_scales = [None] * spec.num_layers
     else:
         with _Checkpoint(folder) as ckpt:
-            weights = _load_weights(ckpt, config, spec, dtype, device)
+            weights = _load_weights(ckpt, config, spec, dtype, device, quant, quantize)
+            kv_scales = [read_kv_scales(ckpt, f"layers.{i}.self_attn.") for i in range(spec.num_layers)]
+    if kv_cache_dtype == "fp8":
+        _set_kv_scales(weights["layers"], kv_scales, device)
     cos_sin = build_cos_sin_cache(config, spec.model_type, spec.head_dim, device)
     model = LlamaFamilyModel(spec, ops, cos_sin_cache=cos_sin, eps=float(config.rms_norm_eps), **weights)
-    logger.info("loaded %s (%d layers, %s) from %s with %s ops",
-                spec.model_type, spec.num_layers, dtype, path, ops.name)
+    linears = f"FP8 linears ({quant.scheme})" if quant else "FP8 linears (quantized on load)" if quantize else dtype
+    logger.info("loaded %s (%d layers, %s, %s, KV cache %s) from %s with %s ops",
+                spec.model_type, spec.num_layers, dtype, linears, kv_cache_dtype, path, ops.name)
     return model.eval()
+
+
+def _set_kv_scales(layers: list[LayerWeights], found: list[tuple[float, float] | None], device) -> None:
+    """Each layer's kv_scale (2,) float32 [k_scale, v_scale]: the checkpoint's, else 1.0 (values cached as they are,
+    which suits activations well inside e4m3's ±448)."""
+    for layer, scales in zip(layers, found):
+        layer.kv_scale = torch.tensor(scales or (1.0, 1.0), dtype=torch.float32, device=device)  # (2,)
+    missing = sum(s is None for s in found)
+    if missing:
+        logger.info("FP8 KV cache: %d of %d layers have no k_scale/v_scale in the checkpoint; they use 1.0",
+                    missing, len(found))
 
 
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
@@ -57,12 +96,16 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return TORCH_DTYPES[dtype]
 
 
-def _read_config(folder: Path):
-    """AutoConfig of a supported family; the model_type is checked first so unknown types fail clearly."""
+def _raw_config(folder: Path) -> dict:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{folder} is not a checkpoint folder: config.json is missing")
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    return json.loads(config_file.read_text())
+
+
+def _read_config(folder: Path):
+    """AutoConfig of a supported family; the model_type is checked first so unknown types fail clearly."""
+    model_type = _raw_config(folder).get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     from transformers import AutoConfig  # heavy import, only when loading
@@ -159,18 +202,56 @@ class _Checkpoint(contextlib.ExitStack):
         return self.get(name) if self.has(name) else None
 
 
-def _load_weights(ckpt: _Checkpoint, config, spec: ModelSpec, dtype, device) -> dict:
-    """HF tensors -> the model's fused tensors, one layer at a time so peak host memory stays one layer."""
+def _load_weights(ckpt: _Checkpoint, config, spec: ModelSpec, dtype, device,
+                  quant: CheckpointQuantization | None, quantize: bool) -> dict:
+    """HF tensors -> the model's fused tensors, one layer at a time so peak host memory stays one layer.
 
-    def put(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(dtype=dtype).to(device).contiguous()
+    Linear weights the checkpoint stores in FP8 stay FP8; with quantize, those it stores wide are quantized on the
+    device, one at a time. Embeddings, the LM head and the norms are always in dtype: the LM head's output is the
+    logits themselves, so its error would go straight into the sampled distribution; the embedding is a gather of a
+    few rows a token, not a GEMM streaming the whole matrix, so FP8 would save no bandwidth; norms are tiny."""
+    requantized = []
 
-    def cat(names: list[str], required: bool = True) -> torch.Tensor | None:
-        if not required and not all(ckpt.has(n) for n in names):
+    def put(name: str, required: bool = True) -> torch.Tensor | None:
+        t = ckpt.get(name) if required else ckpt.maybe(name)
+        if t is None:
+            return None
+        if t.dtype.itemsize == 1:
+            raise ValueError(f"{name} is stored as {t.dtype}; only linear weights are read quantized")
+        return t.to(dtype=dtype).to(device).contiguous()
+
+    def cat_biases(names: list[str]) -> torch.Tensor | None:
+        if not all(ckpt.has(n) for n in names):
             if any(ckpt.has(n) for n in names):
                 raise ValueError(f"checkpoint has only some of {names}")
             return None
-        return put(torch.cat([ckpt.get(n) for n in names], dim=0))
+        return torch.cat([put(n) for n in names], dim=0)
+
+    def wide(name: str) -> torch.Tensor:
+        """A matrix kept in dtype; an FP8 one (e.g. an LM head a checkpoint did not leave out) is dequantized."""
+        w = read_linear(ckpt, name, quant)
+        if isinstance(w, FP8Weight):
+            w = w.to(device)
+            return fp8.dequantize(w.weight, w.scale, dtype)
+        return w.to(dtype=dtype).to(device).contiguous()
+
+    def linear(names: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """These linears fused along N: (weight (N, K), its scales or None)."""
+        parts = [read_linear(ckpt, n, quant) for n in names]
+        stored = [p for p in parts if isinstance(p, FP8Weight)]
+        if stored and len(stored) != len(parts):
+            raise ValueError(f"checkpoint stores only some of {names} in FP8; a fused weight must be all one kind")
+        if stored:
+            fused, again = fuse(stored, names)
+            if again:
+                requantized.append("+".join(n.rsplit(".", 1)[-1] for n in names))
+            fused = fused.to(device)
+            return fused.weight, fused.scale
+        w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # (N, K) in the checkpoint's dtype
+        if quantize:  # from the checkpoint's own values, the wide copy on the device one weight at a time
+            q = quantize_on_device(w, device)
+            return q.weight, q.scale
+        return w.to(dtype=dtype).to(device).contiguous(), None
 
     layers = []
     for i in range(spec.num_layers):
@@ -178,26 +259,39 @@ def _load_weights(ckpt: _Checkpoint, config, spec: ModelSpec, dtype, device) -> 
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv = [attn + f"{x}_proj" for x in "qkv"]
         gate_up = [mlp + "gate_proj", mlp + "up_proj"]
+        qkv_weight, qkv_scale = linear(qkv)
+        o_weight, o_scale = linear([attn + "o_proj"])
+        gate_up_weight, gate_up_scale = linear(gate_up)
+        down_weight, down_scale = linear([mlp + "down_proj"])
         layers.append(
             LayerWeights(
-                qkv_weight=cat([n + ".weight" for n in qkv]),
-                qkv_bias=cat([n + ".bias" for n in qkv], required=False),
-                o_weight=put(ckpt.get(attn + "o_proj.weight")),
-                o_bias=put(ckpt.maybe(attn + "o_proj.bias")),
-                gate_up_weight=cat([n + ".weight" for n in gate_up]),
-                gate_up_bias=cat([n + ".bias" for n in gate_up], required=False),
-                down_weight=put(ckpt.get(mlp + "down_proj.weight")),
-                down_bias=put(ckpt.maybe(mlp + "down_proj.bias")),
-                input_norm=put(ckpt.get(p + "input_layernorm.weight")),
-                post_norm=put(ckpt.get(p + "post_attention_layernorm.weight")),
-                q_norm=put(ckpt.get(attn + "q_norm.weight")) if spec.model_type == "qwen3" else None,
-                k_norm=put(ckpt.get(attn + "k_norm.weight")) if spec.model_type == "qwen3" else None,
+                qkv_weight=qkv_weight,
+                qkv_bias=cat_biases([n + ".bias" for n in qkv]),
+                o_weight=o_weight,
+                o_bias=put(attn + "o_proj.bias", required=False),
+                gate_up_weight=gate_up_weight,
+                gate_up_bias=cat_biases([n + ".bias" for n in gate_up]),
+                down_weight=down_weight,
+                down_bias=put(mlp + "down_proj.bias", required=False),
+                input_norm=put(p + "input_layernorm.weight"),
+                post_norm=put(p + "post_attention_layernorm.weight"),
+                q_norm=put(attn + "q_norm.weight") if spec.model_type == "qwen3" else None,
+                k_norm=put(attn + "k_norm.weight") if spec.model_type == "qwen3" else None,
+                qkv_scale=qkv_scale,
+                o_scale=o_scale,
+                gate_up_scale=gate_up_scale,
+                down_scale=down_scale,
             )
         )
+    if requantized:
+        logger.warning("%d fused FP8 weights (%s) were requantized per 128 x 128 block: their parts' rows are not "
+                       "multiples of 128, so the fused blocks would straddle two parts' scales; they differ from the "
+                       "checkpoint by up to one more e4m3 rounding", len(requantized),
+                       ", ".join(sorted(set(requantized))))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     return dict(
-        embed=put(ckpt.get("embed_tokens.weight")),
+        embed=wide("embed_tokens"),
         layers=layers,
-        final_norm=put(ckpt.get("norm.weight")),
-        lm_head=None if tied else put(ckpt.get("lm_head.weight")),
+        final_norm=put("norm.weight"),
+        lm_head=None if tied else wide("lm_head"),
     )

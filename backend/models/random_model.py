@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from backend.models.fp8_weights import quantize_on_device
 from backend.models.llama import LayerWeights
 from backend.models.spec import ModelSpec
 
@@ -29,6 +30,10 @@ SHAPES = {
                          rope_theta=500000.0,
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                            high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    # Llama-3-70B: with quantization=fp8 drawn straight into FP8 (about 70 GB), so it fits one H200
+    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192 + 1024,
+                        rope_theta=500000.0),
     # Llama-3.2-1B: the CPU-bound regime (small-64)
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
@@ -93,8 +98,12 @@ def is_random_checkpoint(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
-def random_weights(folder: Path, config, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict:
-    """Weights drawn on the device, N(0, std) for matrices and ones for norms, in the fused layout."""
+def random_weights(folder: Path, config, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                   quantize: bool = False) -> dict:
+    """Weights drawn on the device, N(0, std) for matrices and ones for norms, in the fused layout.
+
+    quantize: each linear weight is drawn in dtype, quantized per output channel and freed before the next is
+    drawn, so only one layer's weight is ever wide (a 70B shape fits in FP8); the same draws as without it."""
     meta = json.loads((folder / MARKER).read_text())
     gen = torch.Generator(device=device).manual_seed(int(meta.get("seed", 0)))
     std = float(meta.get("std", 0.02))
@@ -104,15 +113,26 @@ def random_weights(folder: Path, config, spec: ModelSpec, dtype: torch.dtype, de
     def rand(*shape):
         return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
 
+    def linear(*shape) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not quantize:
+            return rand(*shape), None
+        q = quantize_on_device(rand(*shape), device)
+        return q.weight, q.scale
+
     def ones(n):
         return torch.ones(n, dtype=dtype, device=device)
 
-    layers = [
-        LayerWeights(qkv_weight=rand(qkv_rows, H), qkv_bias=None, o_weight=rand(H, spec.num_heads * D), o_bias=None,
-                     gate_up_weight=rand(2 * I, H), gate_up_bias=None, down_weight=rand(H, I), down_bias=None,
-                     input_norm=ones(H), post_norm=ones(H), q_norm=None, k_norm=None)
-        for _ in range(spec.num_layers)
-    ]
+    layers = []
+    for _ in range(spec.num_layers):
+        qkv, qkv_scale = linear(qkv_rows, H)
+        o, o_scale = linear(H, spec.num_heads * D)
+        gate_up, gate_up_scale = linear(2 * I, H)
+        down, down_scale = linear(H, I)
+        layers.append(LayerWeights(qkv_weight=qkv, qkv_bias=None, o_weight=o, o_bias=None, gate_up_weight=gate_up,
+                                   gate_up_bias=None, down_weight=down, down_bias=None, input_norm=ones(H),
+                                   post_norm=ones(H), q_norm=None, k_norm=None, qkv_scale=qkv_scale, o_scale=o_scale,
+                                   gate_up_scale=gate_up_scale, down_scale=down_scale))
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    # embeddings and LM head stay in dtype (backend/models/loader.py says why)
     return dict(embed=rand(spec.vocab_size, H), layers=layers, final_norm=ones(H),
                 lm_head=None if tied else rand(spec.vocab_size, H))
