@@ -72,7 +72,9 @@ def get_ops(backend: str, linear_backend: str = "auto", dependent_launch: bool =
 
     linear_backend, on the triton path: "auto" takes the decode-sized GEMM kernel for the shapes where it was
     measured faster than cuBLAS (triton_linear.H200_CONFIGS), "triton" for every batch of up to 64 rows, "cublas"
-    never. The torch path always uses F.linear.
+    never. The torch path always uses F.linear. FP8 weights (a scale given): "auto" and "triton" run the FP8 decode
+    kernel up to 64 rows (auto with tuning/h200_fp8.py's configs) and FP8 x FP8 GEMMs above; "cublas" quantizes x
+    per row and runs torch._scaled_mm for every row count (ops/triton/fp8_linear.py); the torch path dequantizes.
     dependent_launch, on the triton path: launch every Triton-language kernel as a programmatic dependent of the
     kernel before it (ops/triton/launch.py; compute capability 9.0 and later only)."""
     if backend not in BACKENDS:
@@ -98,7 +100,7 @@ def _triton_ops(linear_backend: str, pdl: bool) -> Ops:
 
     layers = _BoundLayers(*(bind(getattr(triton_layers, f)) for f in _BoundLayers._fields))
     linear = {"auto": bind(triton_linear.tuned_linear), "triton": bind(triton_linear.linear),
-              "cublas": _torch_layers.linear}[linear_backend]
+              "cublas": triton_linear.cublas_linear}[linear_backend]
     parking = functools.partial(linear, park=True) if linear_backend == "auto" else linear
     gated = {"auto": bind(triton_linear.tuned_linear_silu_and_mul),
              "triton": bind(triton_linear.linear_silu_and_mul), "cublas": None}[linear_backend]

@@ -7,6 +7,8 @@ and no second launch are needed; small slices make enough programs even for narr
 Where K is long, the tuning tables may split it (split_k): the splits' fp32 partials are then either summed by the
 last split to finish (serial split-K, one launch), or "parked": left unsummed in a PartialSums for the next kernel
 (a norm or rotary kernel that reads the GEMM's output anyway and adds the partials as it loads them).
+
+FP8 (e4m3) weights, called with their `scale`, are dispatched to fp8_linear.py's kernels.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from backend.ops.triton.launch import INTERPRET, allow_dependents, dependent_wai
 
 __all__ = ["linear", "tuned_linear", "linear_silu_and_mul", "tuned_linear_silu_and_mul", "LinearConfig",
            "TuningTables", "tables_for", "choose_config", "H200_CONFIGS", "H200_PARKED_CONFIGS", "H200_GATED_CONFIGS",
-           "H200_TABLES", "MAX_ROWS"]
+           "H200_TABLES", "MAX_ROWS", "cublas_linear"]
 
 MAX_ROWS = 64  # above this many rows cuBLAS's tiles reuse each weight load enough; F.linear takes over
 
@@ -156,8 +158,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pdl: launch as a programmatic dependent of the previous kernel (ops/triton/launch.py).
     park: a split-K launch without bias or out returns its partials unsummed (PartialSums), for a caller whose
     next kernel adds them (triton_layers.add_rms_norm); any other launch returns y as usual."""
-    if scale is not None:
-        return torch_layers.linear(x, weight, bias, out, scale=scale)
+    if scale is not None:  # an e4m3 weight: fp8_linear's kernels
+        return fp8_linear.linear(x, weight, scale, bias, out, config, pdl=pdl, park=park)
     rows = _row_count(x)
     if (rows == 0 or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
             or not x.is_cuda and not INTERPRET or out is not None and out.stride(-1) != 1):
@@ -201,7 +203,7 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bias: tor
     halves, so gate_up never goes to memory; config's block_n counts the rows of both halves. A bias, a config
     that splits K or more rows run the GEMM and triton_layers.silu_and_mul instead, with the same numerics."""
     if scale is not None:
-        return triton_layers.silu_and_mul(linear(x, gate_up_weight, bias, scale=scale, pdl=pdl), pdl=pdl)
+        return fp8_linear.linear_silu_and_mul(x, gate_up_weight, scale, bias, config, pdl=pdl)
     rows = _row_count(x)
     two_i, k = gate_up_weight.shape
     cfg = config or choose_config(two_i, k, buffers.sm_count(x.device) if x.is_cuda else 132)
@@ -265,8 +267,8 @@ def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """F.linear(x, weight, bias) through the kernel where this device's plain table lists the shape, else cuBLAS.
 
     park: the caller's next kernel can add split-K partials (linear's park); the parked table comes first."""
-    if scale is not None:
-        return linear(x, weight, bias, out, pdl=pdl, scale=scale)
+    if scale is not None:  # its own tables (tuning/h200_fp8.py), and no cuBLAS fallback for decode rows
+        return fp8_linear.tuned_linear(x, weight, scale, bias, out, pdl=pdl, park=park)
     tables, key = _lookup(x, weight)
     if tables is not None:
         config = tables.parked.get(key) if park and bias is None and out is None else None
@@ -283,10 +285,23 @@ def tuned_linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, bia
     """silu_and_mul(tuned_linear(x, gate_up_weight, bias)): one kernel where this device's gated table lists the
     gate_up shape (linear_silu_and_mul), else the tuned GEMM and triton_layers.silu_and_mul."""
     if scale is not None:
-        return linear_silu_and_mul(x, gate_up_weight, bias, pdl=pdl, scale=scale)
+        return fp8_linear.tuned_linear_silu_and_mul(x, gate_up_weight, scale, bias, pdl=pdl)
     tables, key = _lookup(x, gate_up_weight) if bias is None else (None, None)
     if tables is not None:
         config = tables.gated.get(key)
         if config is not None:
             return linear_silu_and_mul(x, gate_up_weight, config=config, pdl=pdl)
     return triton_layers.silu_and_mul(tuned_linear(x, gate_up_weight, bias, pdl=pdl), pdl=pdl)
+
+
+def cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, *, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The "cublas" linear backend: F.linear; an e4m3 weight goes to torch._scaled_mm with x quantized per row,
+    for every row count (fp8_linear.cublas_linear)."""
+    if scale is not None:
+        return fp8_linear.cublas_linear(x, weight, scale, bias, out)
+    return torch_layers.linear(x, weight, bias, out)
+
+
+# last: fp8_linear imports this module's helpers (MAX_ROWS, _block_m, _split_counters, the epilogue)
+from backend.ops.triton import fp8_linear  # noqa: E402
