@@ -83,7 +83,8 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
         tokenizer = AutoTokenizer.from_pretrained(path)
         dependent = _dependent_launch(config.dependent_launch, backend, device)
         model = load_model(path, dtype=dtype, device=device, attention_backend=backend,
-                           linear_backend=config.linear_backend, dependent_launch=dependent)
+                           linear_backend=config.linear_backend, dependent_launch=dependent,
+                           quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
         if dependent and config.dependent_launch in ("auto", "decode"):
             plain = get_ops(backend, config.linear_backend, False)
             step_ops = StepOps(model.ops, plain, config.dependent_decode_rows)
