@@ -30,7 +30,7 @@ SHAPES = {
                          rope_theta=500000.0,
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                            high_freq_factor=4.0, original_max_position_embeddings=8192)),
-    # Llama-3-70B: with quantization=fp8 drawn straight into FP8 (about 70 GB), so it fits one H200
+    # Llama-3-70B: with quantization=fp8 drawn straight into FP8 (72.7 GB of weights), so it fits one H200
     "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192 + 1024,
                         rope_theta=500000.0),
