@@ -2,6 +2,7 @@
 
 `python -m bench.microbench [--sweep]` prints a table, then one JSON line. Every figure is bytes that
 must cross device memory (KV read once / weights read once) over the time of a CUDA-graph replay.
+`--linear --fp8 [--fp8-scales block] [--gated] [--park]` times the GEMMs with FP8 weights (sweep_linear_fp8).
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from backend.ops.triton import buffers
+from backend.ops.tuning import LinearConfig
 
 __all__ = ["bench_decode_attention", "bench_prefill_attention", "bench_weight_pass", "sweep_decode", "sweep_prefill",
-           "sweep_linear"]
+           "sweep_linear", "sweep_linear_fp8"]
 
 
 _DEV = "cuda"
@@ -381,6 +383,130 @@ def sweep_linear(rows_list=(1, 32, 64), shapes=None, configs=LINEAR_SWEEP, chain
     return out
 
 
+FP8_LINEAR_SHAPES = {  # (N, K) of the GEMMs with FP8 weights: Llama-3-8B and Llama-3-70B
+    "8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096), "8b_down": (4096, 14336),
+    "70b_qkv": (10240, 8192), "70b_o": (8192, 8192), "70b_gate_up": (57344, 8192), "70b_down": (8192, 28672),
+}
+# the FP8 decode kernel's launch shapes (block_n, block_k, warps, stages[, split_k]); block scales take those with
+# block_k ≤ 128 only
+FP8_LINEAR_SWEEP = ((16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 4), (64, 256, 4, 6), (128, 256, 8, 4),
+                    (32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (128, 128, 4, 4), (64, 512, 4, 3),
+                    (64, 256, 4, 4, 2), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (32, 256, 4, 4, 4),
+                    (128, 128, 4, 4, 4))
+FP8_GEMM_SWEEP = ((64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (64, 256, 4, 3))
+FP8_PREFILL_ROWS = (2048, 4096)
+
+
+def sweep_linear_fp8(rows_list=(1, 16, 32, 64, 128, 256), shapes=None, configs=FP8_LINEAR_SWEEP,
+                     scales: str = "channel", chain: int = 1, pdl: bool = False, park: bool = False,
+                     gated: bool = False, prefill_rows=FP8_PREFILL_ROWS) -> list:
+    """GEMMs with FP8 (e4m3) weights, per shape and row count: the milliseconds of every path that applies and the
+    TB/s of the weight bytes it reads (2 a weight in bf16, 1 in e4m3), the fastest path by time as "best".
+
+    Paths: bf16_cublas (F.linear, bf16 W); bf16_kernel (the bf16 decode kernel, ≤ 64 rows, the H200 table's
+    config where listed); fp8_auto and fp8_<config> (the FP8 decode kernel: fp8_linear's rule, then each of
+    `configs`; up to fp8_linear.DECODE_ROW_LIMIT rows, past FP8_MAX_ROWS to see where it stops winning);
+    scaled_mm (x quantized per row + torch._scaled_mm: per-channel scales, the "cublas" FP8 path at every row
+    count) and scaled_mm_only (x quantized beforehand: the quantization's share is the difference); block_gemm and
+    block_gemm_<config> (x quantized per 128-column group + the block-scaled GEMM: block scales); dequant_cublas
+    (the torch reference: W dequantized to bf16, then F.linear). prefill_rows are timed with the GEMM paths only
+    and report TFLOP/s as well. gated: W as [gate; up] with SiLU-and-mul (fused FP8 kernel against fp8_unfused,
+    the FP8 GEMM then the SiLU-and-mul kernel, and every other path followed by that kernel); park: the FP8
+    kernel's split-K partials are left for the next kernel."""
+    from backend.ops import fp8
+    from backend.ops.torch import layers as torch_layers
+    from backend.ops.triton import fp8_linear as f8
+    from backend.ops.triton import layers as tly
+    from backend.ops.triton import linear as tlin
+
+    block = scales == "block"
+    quantize = fp8.quantize_per_block if block else fp8.quantize_per_channel
+    kernel_configs = [c for c in configs if not block or c[1] <= 128]
+    out = []
+    for name, (n, k) in (shapes or FP8_LINEAR_SHAPES).items():
+        w = torch.empty(n, k, dtype=torch.bfloat16, device=_DEV).normal_(0.0, k ** -0.5)
+        q, s = quantize(w)
+        # a chain reads a different copy of W each call: the same W again would come from L2
+        bf16_w = itertools.cycle([w] + [w.clone() for _ in range(chain - 1)])
+        fp8_w = itertools.cycle([(q, s)] + [(q.clone(), s.clone()) for _ in range(chain - 1)])
+        for rows in tuple(rows_list) + tuple(prefill_rows):
+            prefill = rows in prefill_rows
+            x = torch.randn(rows, k, dtype=torch.bfloat16, device=_DEV)
+
+            def act(y):
+                return tly.silu_and_mul(y, pdl=pdl) if gated else y
+
+            paths = {"bf16_cublas": (lambda: act(F.linear(x, next(bf16_w))), 2)}
+            if rows <= tlin.MAX_ROWS:
+                listed = (tlin.H200_GATED_CONFIGS if gated else tlin.H200_CONFIGS).get((n, k, tlin._block_m(rows)))
+                paths["bf16_kernel"] = ((lambda: tlin.linear_silu_and_mul(x, next(bf16_w), config=listed, pdl=pdl))
+                                        if gated else (lambda: tlin.linear(x, next(bf16_w), config=listed, pdl=pdl)), 2)
+            kernel_rows = f8.FP8_MAX_ROWS if gated else f8.DECODE_ROW_LIMIT
+            if not prefill and rows <= kernel_rows:
+                def kernel(cfg=None):
+                    qq, ss = next(fp8_w)
+                    if gated:
+                        return f8.linear_silu_and_mul(x, qq, ss, config=cfg, pdl=pdl)
+                    return f8.decode_linear(x, qq, ss, config=cfg, pdl=pdl, park=park)
+
+                paths["fp8_auto"] = (kernel, 1)
+                if gated:
+                    paths["fp8_unfused"] = (lambda: act(f8.decode_linear(x, *next(fp8_w), pdl=pdl)), 1)
+                for cfg in kernel_configs:
+                    if gated and (len(cfg) > 4 or cfg[0] < 32):
+                        continue  # the fused kernel takes no K split and at least 16 rows of each half
+                    paths["fp8_" + "x".join(map(str, cfg))] = (lambda c=LinearConfig(*cfg): kernel(c), 1)
+            if block:
+                paths["block_gemm"] = (lambda: act(f8.prefill_linear(x, *next(fp8_w), pdl=pdl, block=True)), 1)
+                if rows > f8.FP8_MAX_ROWS:
+                    for cfg in FP8_GEMM_SWEEP:
+                        paths["block_gemm_" + "x".join(map(str, cfg))] = (
+                            lambda c=f8.GemmConfig(*cfg): act(f8.block_scaled_linear(x, *next(fp8_w), config=c)), 1)
+            else:
+                xq, xs = f8.quantize_rows(x)
+
+                def scaled_mm_only():
+                    qq, ss = next(fp8_w)
+                    return act(torch._scaled_mm(xq, qq.t(), scale_a=xs, scale_b=ss.view(1, -1),
+                                                out_dtype=torch.bfloat16))
+
+                paths["scaled_mm"] = (lambda: act(f8.prefill_linear(x, *next(fp8_w), pdl=pdl, block=False)), 1)
+                paths["scaled_mm_only"] = (scaled_mm_only, 1)
+
+            def dequant_cublas():
+                qq, ss = next(fp8_w)
+                return act(torch_layers.linear(x, qq, scale=ss))
+
+            paths["dequant_cublas"] = (dequant_cublas, 1)
+            row = dict(shape=name, rows=rows, scales=scales, ms={}, tb_per_s={})
+            if prefill:
+                row["tflop_per_s"] = {}
+            for label, (fn, itemsize) in paths.items():
+                r = _guarded(lambda **_: dict(ms=_time_graph(fn, replays=5 if prefill else 20,
+                                                             repeats=3 if prefill else 7, chain=chain)))
+                if r["ms"] != r["ms"]:
+                    row.setdefault("errors", {})[label] = r.get("error", "")
+                    continue
+                row["ms"][label] = r["ms"]
+                row["tb_per_s"][label] = n * k * itemsize / r["ms"] / 1e9
+                if prefill:
+                    row["tflop_per_s"][label] = 2 * rows * n * k / r["ms"] / 1e9
+            row["best"] = min(row["ms"], key=row["ms"].get) if row["ms"] else None
+            row["auto"] = str((f8.choose_gated_config if gated else f8.choose_config)(
+                n, k, buffers.sm_count(w.device), block))
+            out.append(row)
+            shown = " ".join(f"{p}={row['ms'][p] * 1e3:.1f}us({row['tb_per_s'][p]:.2f})"
+                             for p in ("bf16_cublas", "bf16_kernel", "fp8_auto", "scaled_mm", "block_gemm")
+                             if p in row["ms"])
+            best = row["best"]
+            print(f"  {name:11s} rows={rows:4d} {scales} {shown} best={best} "
+                  f"{row['ms'][best] * 1e3 if best else float('nan'):.1f}us", flush=True)
+            del x, paths
+        del w, q, s, bf16_w, fp8_w
+        torch.cuda.empty_cache()
+    return out
+
+
 def _fmt(v):
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -390,7 +516,14 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep decode launch configurations")
     ap.add_argument("--linear", action="store_true", help="only the decode GEMMs: cuBLAS against ops/triton/linear.py")
     ap.add_argument("--shapes", default=None, help="--linear: comma-separated names of LINEAR_SHAPES (default all)")
-    ap.add_argument("--rows", default="1,32,64", help="--linear: batch rows to time")
+    ap.add_argument("--rows", default=None, help="--linear: batch rows to time (default 1,32,64; with --fp8 "
+                                                 "1,16,32,64,128,256)")
+    ap.add_argument("--fp8", action="store_true", help="--linear: FP8 (e4m3) weights: the FP8 decode kernel, "
+                                                       "_scaled_mm and the bf16 paths (FP8_LINEAR_SHAPES)")
+    ap.add_argument("--fp8-scales", choices=("channel", "block"), default="channel",
+                    help="--linear --fp8: per-channel or 128 x 128 block weight scales")
+    ap.add_argument("--prefill-rows", default="2048,4096",
+                    help="--linear --fp8: prompt-sized row counts timed with the GEMM paths only ('' for none)")
     ap.add_argument("--chain", type=int, default=1, help="--linear: calls back to back in one graph")
     ap.add_argument("--pdl", action="store_true", help="--linear: launch as programmatic dependents")
     ap.add_argument("--park", action="store_true", help="--linear: split-K partials left for the next kernel to add")
@@ -406,11 +539,20 @@ def main(argv=None) -> int:
             print("  " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
         print(json.dumps(results, separators=(",", ":")))
         return 0
+    if args.linear and args.fp8:
+        shapes = {name: FP8_LINEAR_SHAPES[name] for name in args.shapes.split(",")} if args.shapes else None
+        rows = tuple(int(r) for r in (args.rows or "1,16,32,64,128,256").split(","))
+        prefill_rows = tuple(int(r) for r in args.prefill_rows.split(",") if r)
+        results["linear_fp8"] = sweep_linear_fp8(rows, shapes, scales=args.fp8_scales, chain=args.chain,
+                                                 pdl=args.pdl, park=args.park, gated=args.gated,
+                                                 prefill_rows=prefill_rows)
+        print(json.dumps(results, separators=(",", ":")))
+        return 0
     if args.linear:
         from backend.ops.triton import linear as tlin
 
         shapes = {name: LINEAR_SHAPES[name] for name in args.shapes.split(",")} if args.shapes else None
-        results["linear_sweep"] = sweep_linear(tuple(int(r) for r in args.rows.split(",")), shapes,
+        results["linear_sweep"] = sweep_linear(tuple(int(r) for r in (args.rows or "1,32,64").split(",")), shapes,
                                                chain=args.chain, pdl=args.pdl, park=args.park, gated=args.gated)
         for batch in () if args.no_weight_pass else (1, 32, 64):
             for label, fn in (("cublas", F.linear), ("triton", tlin.linear), ("tuned", tlin.tuned_linear)):
