@@ -71,13 +71,13 @@ def _weight(n: int, k: int, layout: str, g: torch.Generator) -> tuple[torch.Tens
 
 
 def _dequantized(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """q * s in float64: the weight the FP8 kernels multiply by, exactly."""
-    return q.double().cpu() * fp8.expand_scale(s.cpu(), tuple(q.shape)).double()
+    """q * s in float64 (on q's device): the weight the FP8 kernels multiply by, exactly."""
+    return q.double() * fp8.expand_scale(s, tuple(q.shape)).double()
 
 
 def _reference(x, q, s, b=None) -> torch.Tensor:
-    ref = x.double().cpu() @ _dequantized(q, s).T
-    return ref + b.double().cpu() if b is not None else ref
+    ref = x.double() @ _dequantized(q, s).T
+    return ref + b.double() if b is not None else ref
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -258,8 +258,8 @@ def _quantize_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """fp8.quantize_per_channel of every 128-column group of every row (K padded with zeros to whole groups)."""
     m, k = x.shape
     groups = -(-k // 128)
-    padded = torch.zeros(m, groups * 128, dtype=torch.float32)
-    padded[:, :k] = x.float().cpu()
+    padded = torch.zeros(m, groups * 128, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
     q, s = fp8.quantize_per_channel(padded.view(m * groups, 128))
     return q.view(m, groups * 128)[:, :k], s.view(m, groups)
 
@@ -286,7 +286,7 @@ def test_quantize_rows_equals_the_torch_quantization(dtype, k):
     x[6] = 0.0
     x = x.to(dtype).to(DEVICE)
     q, s = f8.quantize_rows(x)
-    want_q, want_s = fp8.quantize_per_channel(x.cpu())
+    want_q, want_s = fp8.quantize_per_channel(x)
     assert s.shape == (7, 1) and torch.equal(_bits(s[:, 0]), _bits(want_s))
     assert torch.equal(_bits(q), _bits(want_q))
     qg, sg = f8.quantize_rows(x, 128)
@@ -301,10 +301,10 @@ def _quantized_x_reference(x, q, s, layout, b=None) -> torch.Tensor:
         xq, xs = _quantize_groups_reference(x)
         xd = xq.double() * xs.double().repeat_interleave(128, 1)[:, : x.shape[1]]
     else:
-        xq, xs = fp8.quantize_per_channel(x.cpu())
+        xq, xs = fp8.quantize_per_channel(x)
         xd = xq.double() * xs.double()[:, None]
     ref = xd @ _dequantized(q, s).T
-    return ref + b.double().cpu() if b is not None else ref
+    return ref + b.double() if b is not None else ref
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
