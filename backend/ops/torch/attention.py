@@ -34,6 +34,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slo
         if kv_scale is None:
             raise ValueError("an FP8 KV cache needs its kv_scale")
         k, v = fp8.quantize_kv(k, kv_scale[0]), fp8.quantize_kv(v, kv_scale[1])
+        # the e4m3 bits copied as bytes: index_copy_ has no e4m3 kernel on the CPU
+        k, v, k_flat, v_flat = (t.view(torch.uint8) for t in (k, v, k_flat, v_flat))
     k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
     v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
 
