@@ -11,11 +11,23 @@ except ImportError as exc:  # the dispatcher catches this and keeps the plain-to
 
 from backend.ops.triton import buffers  # noqa: E402
 
-from backend.ops.partial_sums import PartialSums  # noqa: E402  (after the guarded import)
+from backend.ops import fp8  # noqa: E402  (after the guarded import)
+from backend.ops.partial_sums import PartialSums  # noqa: E402
 from backend.ops.triton.launch import allow_dependents, dependent_wait  # noqa: E402
 
 __all__ = ["rms_norm", "add_rms_norm", "apply_rope", "rope_write_kv", "silu_and_mul", "unpack_qkv", "load_summed",
-           "rope_cos_sin", "rope_rotate"]
+           "rope_cos_sin", "rope_rotate", "to_cache", "is_fp8_cache"]
+
+FP8_MAX: tl.constexpr = tl.constexpr(fp8.FP8_MAX)
+
+
+def is_fp8_cache(kv_cache_layer: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
+    """Whether the cache holds e4m3 values (the kernels' KV_FP8 flag); such a cache needs its kv_scale."""
+    if kv_cache_layer.dtype != fp8.FP8_DTYPE:
+        return False  # a cache in the model's dtype ignores kv_scale, as the torch path does
+    if kv_scale is None:
+        raise ValueError("an FP8 KV cache needs its kv_scale")
+    return True
 
 
 
@@ -43,6 +55,18 @@ def load_summed(ptr, mask, stride_part, PARTS: tl.constexpr, ty: tl.constexpr):
         return total.to(ty)
     else:
         return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def to_cache(x, cache_ty: tl.constexpr, scale_ptr, FP8: tl.constexpr):
+    """x as a cache of cache_ty stores it. FP8: x / scale (the float32 at scale_ptr) saturated to ±FP8_MAX in e4m3,
+    fp8.quantize_kv's bits: an IEEE division as torch's (a plain / is approximate on the GPU), then round to
+    nearest even. Otherwise x in cache_ty."""
+    if FP8:
+        y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
+        return tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(cache_ty)
+    else:
+        return x.to(cache_ty)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -121,20 +145,23 @@ def add_rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: 
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
 def rope_rotate(src_ptr, dst_ptr, t, stride_t, stride_h, stride_ot, stride_oh, cos, sin, offs_j, j_mask,
-                H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, stride_part, PARTS: tl.constexpr):
-    """H heads of token t rotated (neox rotate_half, fp32 math) from src to dst, rounded to dst's dtype."""
+                H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, stride_part, PARTS: tl.constexpr,
+                ty: tl.constexpr, scale_ptr, FP8: tl.constexpr):
+    """H heads of token t rotated (neox rotate_half, fp32 math) from src to dst, rounded to ty (the model's dtype).
+    FP8: dst is an FP8 cache, which stores the rounded values quantized by the scale at scale_ptr (to_cache)."""
     offs_h = tl.arange(0, H_PAD)
     mask = (offs_h < H)[:, None] & j_mask[None, :]
     src = src_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_j[None, :]
-    ty = dst_ptr.dtype.element_ty
+    cache_ty = dst_ptr.dtype.element_ty
     x1 = load_summed(src, mask, stride_part, PARTS, ty).to(tl.float32)
     x2 = load_summed(src + HALF, mask, stride_part, PARTS, ty).to(tl.float32)
     dst = dst_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_j[None, :]
     # HF (and the torch path) cast cos/sin to the activations' dtype before rotating: same rounding here
     cos = cos.to(ty).to(tl.float32)
     sin = sin.to(ty).to(tl.float32)
-    tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(ty), mask=mask)
+    tl.store(dst, to_cache((x1 * cos[None, :] - x2 * sin[None, :]).to(ty), cache_ty, scale_ptr, FP8), mask=mask)
+    tl.store(dst + HALF, to_cache((x2 * cos[None, :] + x1 * sin[None, :]).to(ty), cache_ty, scale_ptr, FP8),
+             mask=mask)
 
 
 @triton.jit
@@ -160,9 +187,9 @@ def _rope_kernel(
     t = tl.program_id(0).to(tl.int64)
     cos, sin, offs_j, j_mask = rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
     rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
-                HQ, HQ_PAD, HALF, 0, 0)
+                HQ, HQ_PAD, HALF, 0, 0, qo_ptr.dtype.element_ty, qo_ptr, False)
     rope_rotate(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin, offs_j, j_mask,
-                HK, HK_PAD, HALF, 0, 0)
+                HK, HK_PAD, HALF, 0, 0, ko_ptr.dtype.element_ty, ko_ptr, False)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *,
@@ -193,33 +220,36 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
 
 @triton.jit
 def _rope_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qo_ptr, cache_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qo_ptr, cache_ptr, slot_ptr, kv_scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_cs,
     stride_ckv, stride_cb, stride_cslot, stride_ch, stride_part,
     HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-    PARTS: tl.constexpr, PDL: tl.constexpr,
+    PARTS: tl.constexpr, PDL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # PARTS > 0: q, k and v are views of a split-K qkv GEMM's fp32 partials, stride_part apart (PartialSums)
+    # KV_FP8: the cache is e4m3; k and v are rounded to the model's dtype (qo's), then stored divided by kv_scale's
+    # [k_scale, v_scale]
     allow_dependents(PDL)
     dependent_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
+    ty = qo_ptr.dtype.element_ty
     cos, sin, offs_j, j_mask = rope_cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, HALF_PAD)
     rope_rotate(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, offs_j, j_mask,
-                HQ, HQ_PAD, HALF, stride_part, PARTS)
+                HQ, HQ_PAD, HALF, stride_part, PARTS, ty, qo_ptr, False)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # a negative slot means "do not cache", as in write_kv_cache
         dst = cache_ptr + (slot // BS) * stride_cb + (slot % BS) * stride_cslot
         # the rotated k goes straight to its cache slot (token stride 0: dst already points at the slot)
         rope_rotate(k_ptr, dst, t, stride_kt, stride_kh, 0, stride_ch, cos, sin, offs_j, j_mask, HK, HK_PAD, HALF,
-                    stride_part, PARTS)
+                    stride_part, PARTS, ty, kv_scale_ptr, KV_FP8)
         offs_h = tl.arange(0, HK_PAD)
         offs_d = tl.arange(0, D_PAD)
         mask = (offs_h < HK)[:, None] & (offs_d < D)[None, :]
         v = load_summed(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask, stride_part,
-                        PARTS, cache_ptr.dtype.element_ty)
+                        PARTS, ty)
         tl.store(dst + stride_ckv + offs_h[:, None] * stride_ch + offs_d[None, :],
-                 v.to(cache_ptr.dtype.element_ty), mask=mask)
+                 to_cache(v, cache_ptr.dtype.element_ty, kv_scale_ptr + 1, KV_FP8), mask=mask)
 
 
 def unpack_qkv(q, k, v, cache_dtype: torch.dtype):
@@ -239,21 +269,23 @@ def unpack_qkv(q, k, v, cache_dtype: torch.dtype):
     else:
         dtype, parts, stride_part = q.dtype, 0, 0
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if cache_dtype != dtype:
-        raise ValueError(f"the KV cache dtype ({cache_dtype}) must be k's ({dtype})")
+    if cache_dtype != dtype and cache_dtype != fp8.FP8_DTYPE:
+        raise ValueError(f"the KV cache dtype ({cache_dtype}) must be k's ({dtype}) or FP8 ({fp8.FP8_DTYPE})")
     return (q, k, v), dtype, parts, stride_part
 
 
 def rope_write_kv(q: torch.Tensor | PartialSums, k: torch.Tensor | PartialSums, v: torch.Tensor | PartialSums,
                   positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor,
-                  slot_mapping: torch.Tensor, *, pdl: bool = False):
+                  slot_mapping: torch.Tensor, *, pdl: bool = False, kv_scale: torch.Tensor | None = None):
     """apply_rope on q and k, then k and v into the paged cache (2, NB, BS, Hkv, D) at slot_mapping: one launch.
 
     q (T, Hq, D), k and v (T, Hkv, D) may instead all be views of one split-K qkv GEMM's partials (PartialSums,
     from the Triton GEMM's park): added up here first. Returns the rotated q (T, Hq, D); the rotated k exists only
-    in the cache."""
+    in the cache. kv_scale: an FP8 cache's (2,) float32 [k_scale, v_scale]; it stores k / k_scale and v / v_scale
+    (fp8.quantize_kv of the values rounded to q's dtype, as the torch path writes them)."""
     T, HQ, D = q.shape
     HK = k.shape[1]
+    kv_fp8 = is_fp8_cache(kv_cache_layer, kv_scale)
     (q, k, v), dtype, parts, stride_part = unpack_qkv(q, k, v, kv_cache_layer.dtype)
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     c = kv_cache_layer
@@ -265,13 +297,13 @@ def rope_write_kv(q: torch.Tensor | PartialSums, k: torch.Tensor | PartialSums, 
         # against 2.22 at 4 warps from parked partials, 1.77 against 1.86 from qkv, on the H200)
         warps = 8 if hq_pad * half_pad >= 1024 else 4
         _rope_write_kv_kernel[(T,)](
-            q, k, v, positions, cs, q_out, c, slot_mapping,
+            q, k, v, positions, cs, q_out, c, slot_mapping, kv_scale if kv_fp8 else c,  # c: unused without KV_FP8
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), cs.stride(0), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
             stride_part,
             HQ=HQ, HK=HK, HQ_PAD=hq_pad, HK_PAD=triton.next_power_of_2(HK),
             HALF=half, HALF_PAD=half_pad, D=D, D_PAD=triton.next_power_of_2(D),
-            BS=c.shape[2], PARTS=parts, PDL=pdl, num_warps=warps, launch_pdl=pdl,
+            BS=c.shape[2], PARTS=parts, PDL=pdl, KV_FP8=kv_fp8, num_warps=warps, launch_pdl=pdl,
         )
     return q_out
 
