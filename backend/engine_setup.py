@@ -11,6 +11,7 @@ from backend.config import EngineConfig
 from backend.core.kv_cache import BlockManager
 from backend.models import BUILT_IN_MODELS, load_model, resolve_model_path
 from backend.models.loader import TORCH_DTYPES
+from backend.ops import fp8
 from backend.executor.pipeline import SlotLayout
 from backend.request import MAX_LOGPROBS
 from backend.executor.runner import ModelRunner
@@ -38,6 +39,7 @@ class EngineParts:
     runner: ModelRunner
     timeline: Timeline
     async_pipeline: bool
+    kv_cache_dtype: torch.dtype  # the model's dtype, or FP8 (e4m3) for kv_cache_dtype fp8
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,9 +94,10 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     max_len = config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_MAX_LEN_CAP)
     if max_len > spec.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_len}) exceeds the model's maximum ({spec.max_position_embeddings})")
-    num_blocks = _num_kv_blocks(config, spec, dtype, device)
-    kv_cache = torch.zeros(spec.num_layers, 2, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
-                           dtype=dtype, device=device)  # (L, 2, NB, BS, Hkv, D)
+    kv_dtype = _kv_cache_dtype(config, model, dtype)
+    num_blocks = _num_kv_blocks(config, spec, kv_dtype, device)
+    kv_cache = torch.zeros(spec.kv_cache_shape(num_blocks, config.block_size), dtype=kv_dtype,
+                           device=device)  # (L, 2, NB, BS, Hkv, D)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_len,
                           steady_decode=config.steady_decode)
@@ -107,10 +110,21 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
                          step_ops=step_ops)
     runner.prepare(measure_graph_idle=config.graph_idle_measure)
     async_pipeline = config.async_pipeline if config.async_pipeline is not None else device.type == "cuda"
-    log.info("engine: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s, async %s",
-             path, device, dtype, num_blocks, config.block_size, max_len, backend, async_pipeline)
+    log.info("engine: %s on %s (%s), %d KV blocks of %d tokens (%s), max_model_len %d, attention %s, async %s",
+             path, device, dtype, num_blocks, config.block_size, kv_dtype, max_len, backend, async_pipeline)
     return EngineParts(device, dtype, model, tokenizer, max_len, block_manager, scheduler, runner, timeline,
-                       async_pipeline)
+                       async_pipeline, kv_dtype)
+
+
+def _kv_cache_dtype(config: EngineConfig, model, dtype: torch.dtype) -> torch.dtype:
+    """The KV tensor's dtype: the model's, or e4m3 for kv_cache_dtype fp8, whose layers must then carry their
+    kv_scale (the loader sets them; without one the attention ops would refuse the FP8 cache mid-step)."""
+    if config.kv_cache_dtype != "fp8":
+        return dtype
+    missing = [i for i, layer in enumerate(getattr(model, "layers", ())) if getattr(layer, "kv_scale", None) is None]
+    if missing:
+        raise ValueError(f"kv_cache_dtype fp8 needs every layer's kv_scale; layers {missing} have none")
+    return fp8.FP8_DTYPE
 
 
 def _dependent_launch(setting: str, backend: str, device: torch.device) -> bool:
@@ -122,12 +136,12 @@ def _dependent_launch(setting: str, backend: str, device: torch.device) -> bool:
     return backend == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _num_kv_blocks(config: EngineConfig, spec, dtype: torch.dtype, device: torch.device) -> int:
-    """Blocks from the config, or from free memory (CUDA) / the CPU byte budget."""
+def _num_kv_blocks(config: EngineConfig, spec, kv_dtype: torch.dtype, device: torch.device) -> int:
+    """Blocks from the config, or from free memory (CUDA) / the CPU byte budget at kv_dtype's element size (an FP8
+    cache gets twice the blocks of a bf16 one)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks + 1  # one more: block 0 is the reserved null block
-    elem = torch.finfo(dtype).bits // 8
-    per_block = spec.num_layers * 2 * config.block_size * spec.num_kv_heads * spec.head_dim * elem
+    per_block = spec.kv_bytes_per_block(config.block_size, kv_dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.kv_cache_memory_fraction) - (2 << 30)  # room for activations and graphs

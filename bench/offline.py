@@ -206,10 +206,10 @@ def stream_all(engine: Engine, prompts: list[list[int]], params: SamplingParams 
 
 
 def roofline_seconds(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Bytes every decode step must read (all weights + each request's KV so far) over copy bandwidth."""
+    """Bytes every decode step must read (all weights + each request's KV so far, at the cache's element size: an
+    FP8 cache reads half the bytes of a bf16 one) over copy bandwidth."""
     weights = sum(p.numel() * p.element_size() for p in engine.parts.model.parameters())
-    spec = engine.spec
-    kv_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * torch.finfo(engine.parts.dtype).bits // 8
+    kv_per_token = engine.spec.kv_bytes_per_block(1, engine.parts.kv_cache_dtype)
     total = 0.0
     for t in range(new_tokens):
         context = sum(len(p) + t for p in prompts)

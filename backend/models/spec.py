@@ -26,7 +26,7 @@ class ModelSpec:
         """Shape of the one KV tensor the model reads: (layers, 2, blocks, block_size, kv_heads, head_dim)."""
         return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one KV block costs across all layers (K and V)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+    def kv_bytes_per_block(self, block_size: int, cache_dtype: torch.dtype | None = None) -> int:
+        """Bytes one KV block costs across all layers (K and V) in a cache of cache_dtype (None: the model's)."""
+        elem = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
         return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * elem
