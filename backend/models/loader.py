@@ -36,8 +36,9 @@ def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: 
     """Read config.json and *.safetensors from `path`; never runs remote code or unpickles weights.
     dependent_launch: the model's Triton kernels launch as programmatic dependents.
     quantization: "none" keeps the linear weights as the checkpoint stores them (an FP8 checkpoint's stay FP8,
-    backend/models/quantized_checkpoint.py); "fp8" also quantizes those it stores wide to e4m3 with per-output-channel
-    scales as they load, one weight at a time on the device. Embeddings, LM head and norms stay in dtype.
+    backend/models/quantized_checkpoint.py); "fp8" quantizes a checkpoint without a quantization_config to e4m3 with
+    per-output-channel scales as it loads, one weight at a time on the device (an FP8 checkpoint loads as with
+    "none"). Embeddings, LM head and norms stay in dtype.
     kv_cache_dtype: "fp8" gives each layer the [k_scale, v_scale] of an FP8 KV cache (the checkpoint's where it
     holds them, else 1.0); "auto" gives none."""
     if quantization not in QUANTIZATIONS:
@@ -55,7 +56,8 @@ def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: 
     if attention_backend == "auto":
         attention_backend = "triton" if device.type == "cuda" else "torch"
     ops = get_ops(attention_backend, linear_backend, dependent_launch)
-    quantize = quantization == "fp8"
+    # a pre-quantized checkpoint's own choice of the layers it leaves wide (its ignore list) stands
+    quantize = quantization == "fp8" and quant is None
     if is_random_checkpoint(folder):
         weights = random_weights(folder, config, spec, dtype, device, quantize=quantize)
         kv_scales = [None] * spec.num_layers

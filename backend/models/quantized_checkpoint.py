@@ -156,7 +156,8 @@ def read_kv_scales(ckpt, attn: str) -> tuple[float, float] | None:
     A cached value times its scale is the real value."""
     for k_name, v_name in _KV_SCALE_NAMES:
         if ckpt.has(attn + k_name) or ckpt.has(attn + v_name):
-            return _one_scale(ckpt.get(attn + k_name), attn + k_name), _one_scale(ckpt.get(attn + v_name), attn + v_name)
+            k, v = attn + k_name, attn + v_name
+            return _one_scale(ckpt.get(k), k), _one_scale(ckpt.get(v), v)
     return None
 
 

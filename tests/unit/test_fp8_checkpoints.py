@@ -68,7 +68,7 @@ def quantize(w: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, 
     """W (N, K) -> (e4m3 weight, the scale as the file stores it, the scale a dequantized copy uses)."""
     if layout == "channel":
         q, scale = fp8.quantize_per_channel(w)
-        stored = scale[:, None].to(torch.bfloat16)  # (N, 1) in the model's dtype, as compressed-tensors checkpoints hold it
+        stored = scale[:, None].to(torch.bfloat16)  # (N, 1) in the model's dtype, as compressed-tensors keeps it
         return q, stored, stored.float().reshape(-1)
     if layout == "tensor":
         scale = (w.abs().amax() / fp8.FP8_MAX).float()  # one scale for the whole tensor
@@ -103,7 +103,8 @@ def write_pair(src: str, dst: str, fmt: str) -> tuple[str, str]:
         for i in range(config["num_hidden_layers"]):
             for j, kv in enumerate(kv_names):
                 quantized[f"model.layers.{i}.{kv}"] = torch.tensor(0.0123 * (i + 1) + 0.5 * j, dtype=torch.bfloat16)
-    for folder, tensors, cfg in ((fp8_dir, quantized, {**config, "quantization_config": qconfig}), (ref_dir, ref, config)):
+    fp8_config = {**config, "quantization_config": qconfig}
+    for folder, tensors, cfg in ((fp8_dir, quantized, fp8_config), (ref_dir, ref, config)):
         shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
         save_file(tensors, os.path.join(folder, "model.safetensors"))
         with open(os.path.join(folder, "config.json"), "w") as f:
@@ -177,11 +178,26 @@ def test_quantization_fp8_on_load_equals_the_quantize_dequantized_model(root, fa
 
 
 def test_quantization_fp8_keeps_an_fp8_checkpoint_as_it_is(root):
-    fp8_dir, _ = write_pair(build_model("llama", root), os.path.join(root, "ct-tensor-static"), "ct-tensor-static")
-    a, b = load_model(fp8_dir), load_model(fp8_dir, quantization="fp8")
+    """Its FP8 weights as stored, and a layer its ignore list leaves wide stays wide."""
+    fp8_dir, ref_dir = write_pair(build_model("llama", root), os.path.join(root, "ct-tensor-static"),
+                                  "ct-tensor-static")
+    path = os.path.join(root, "ct-tensor-static-ignore")
+    shutil.copytree(fp8_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    wide = "model.layers.1.mlp.down_proj"
+    state = {k: v for k, v in state.items() if not k.startswith(wide + ".")}
+    state[wide + ".weight"] = load_file(os.path.join(ref_dir, "model.safetensors"))[wide + ".weight"]
+    save_file(state, os.path.join(path, "model.safetensors"))
+    config = json.loads(open(os.path.join(path, "config.json")).read())
+    config["quantization_config"]["ignore"].append(wide)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    a, b = load_model(path), load_model(path, quantization="fp8")
     for x, y in zip(a.layers, b.layers):
         assert torch.equal(x.qkv_weight.view(torch.uint8), y.qkv_weight.view(torch.uint8))
         assert torch.equal(x.qkv_scale, y.qkv_scale)
+    assert b.layers[1].down_scale is None and b.layers[1].down_weight.dtype == torch.float32
+    assert torch.equal(b.layers[1].down_weight, load_model(ref_dir).layers[1].down_weight)
 
 
 @pytest.mark.parametrize("fmt", ["ct-channel", "fp8-tensor-static"])
