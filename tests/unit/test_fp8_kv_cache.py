@@ -12,6 +12,8 @@ them by hand, a different pair in each layer, as a checkpoint's scales would be.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -105,9 +107,11 @@ def hf_greedy_e4m3(path: str, prompt: list[int], new_tokens: int, scales) -> lis
     """transformers' greedy generate (float32) reading K/V rounded through e4m3 (None: unrounded)."""
     model = hf_model(path)
     cache = _E4M3Cache(scales, config=model.config) if scales else None
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # past_key_values: the name every transformers 5 takes (later ones call it cache, and warn)
+        warnings.simplefilter("ignore", FutureWarning)
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), cache=cache,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), past_key_values=cache,
                              eos_token_id=None)
     return out[0, len(prompt):].tolist()
 
