@@ -1,4 +1,5 @@
-"""Teacher-forced perplexity of a loaded model over a token sequence, one window per prefill of its paged forward."""
+"""Teacher-forced perplexity of a loaded model over windows of tokens, each window one sequence of a prefill through
+the model's own paged forward."""
 from __future__ import annotations
 
 import math
@@ -11,42 +12,56 @@ from backend.ops.torch.attention import AttentionMetadata
 BLOCK_SIZE = 16
 
 
-def window_cache(model, window: int, kv_dtype: torch.dtype) -> torch.Tensor:
-    """A paged KV cache (L, 2, NB, BS, Hkv, D) holding one window; block 0 stays the null block, as in the engine."""
-    spec = model.spec
-    blocks = 1 + -(-window // BLOCK_SIZE)
-    device = model.embed_tokens.device
-    return torch.zeros(spec.num_layers, 2, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype,
-                       device=device)
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK_SIZE)
 
 
-def window_nll(model, ids: torch.Tensor, kv_cache: torch.Tensor) -> float:
-    """Summed negative log-likelihood (nats) of ids[1:] (T,), each given the window's tokens before it."""
-    n, device = ids.shape[0], ids.device
-    positions = torch.arange(n, device=device)
-    table = torch.arange(1, 1 + -(-n // BLOCK_SIZE), dtype=torch.int32, device=device)  # (nblk,) blocks 1..
-    meta = AttentionMetadata(
-        slot_mapping=table.long()[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=table[None],
-        max_query_len=n,
-        max_seq_len=n,
-    )
-    hidden = model(ids, positions, kv_cache, meta)  # (T, H): one prefill gives every position's hidden state
-    logits = model.compute_logits(hidden[:-1]).float()  # (T-1, V) in the model's dtype, as the sampler reads them
-    return F.cross_entropy(logits, ids[1:], reduction="sum").item()
-
-
-def perplexity(model, token_ids: list[int], window: int, kv_dtype: torch.dtype) -> dict:
-    """exp(mean NLL) over consecutive non-overlapping windows of token_ids; each window starts without context."""
-    kv_cache = window_cache(model, window, kv_dtype)
+def batch_nll(model, windows: list[list[int]], kv_cache: torch.Tensor) -> float:
+    """Summed negative log-likelihood (nats) of each window's tokens after its first, each given the tokens of its own
+    window before it: one prefill, one sequence per window, over kv_cache (L, 2, NB, BS, Hkv, D)."""
     device = kv_cache.device
-    nll, predicted = 0.0, 0
-    for start in range(0, len(token_ids), window):
-        chunk = token_ids[start:start + window]
-        if len(chunk) < 2:  # a lone last token has nothing to be predicted from
-            break
-        nll += window_nll(model, torch.tensor(chunk, dtype=torch.int64, device=device), kv_cache)
-        predicted += len(chunk) - 1
+    lens = [len(w) for w in windows]
+    ids = torch.tensor([t for w in windows for t in w], dtype=torch.int64, device=device)  # (T,)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])  # (T,)
+    # sequence b owns blocks first[b] .. first[b] + blocks(len) - 1; block 0 stays the null block, as in the engine
+    first = [1 + sum(_blocks(n) for n in lens[:b]) for b in range(len(lens))]
+    width = max(_blocks(n) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32, device=device)  # (B, width)
+    for b, n in enumerate(lens):
+        tables[b, :_blocks(n)] = torch.arange(first[b], first[b] + _blocks(n), dtype=torch.int32)
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))  # (T,)
+    qsl = torch.tensor([0] + lens, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)  # (B+1,)
+    meta = AttentionMetadata(
+        slot_mapping=tables[seq, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE,
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=tables,
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+    )
+    hidden = model(ids, positions, kv_cache, meta)  # (T, H): every position's hidden state
+    nll = 0.0
+    for b in range(len(lens)):  # one window's logits at a time: (n - 1, V) in the model's dtype, as sampled from
+        rows = slice(int(qsl[b]), int(qsl[b + 1]))
+        logits = model.compute_logits(hidden[rows][:-1]).float()
+        nll += F.cross_entropy(logits, ids[rows][1:], reduction="sum").item()
+    return nll
+
+
+def perplexity(model, windows: list[list[int]], kv_dtype: torch.dtype, batch_tokens: int = 2048) -> dict:
+    """exp(mean NLL) over the windows' predicted tokens (all but each window's first), batched into prefills of at
+    most batch_tokens tokens (a window longer than that goes alone)."""
+    windows = [w for w in windows if len(w) >= 2]  # a lone token has nothing to be predicted from
+    batches: list[list[list[int]]] = []
+    for w in windows:
+        if batches and sum(map(len, batches[-1])) + len(w) <= batch_tokens:
+            batches[-1].append(w)
+        else:
+            batches.append([w])
+    spec = model.spec
+    blocks = 1 + max(sum(_blocks(len(w)) for w in batch) for batch in batches)
+    kv_cache = torch.zeros(spec.num_layers, 2, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype,
+                           device=model.embed_tokens.device)  # (L, 2, NB, BS, Hkv, D), reused by every batch
+    nll = sum(batch_nll(model, batch, kv_cache) for batch in batches)
+    predicted = sum(len(w) - 1 for w in windows)
     return dict(perplexity=math.exp(nll / predicted), nll=nll, tokens=predicted)

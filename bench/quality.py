@@ -1,8 +1,8 @@
 """python -m bench.quality: what FP8 costs the default model in quality, in three configurations of the engine:
 the baseline dtype (bf16), FP8 weights (quantization=fp8), and FP8 weights + an FP8 KV cache (kv_cache_dtype=fp8).
 
-- perplexity: teacher-forced over bench/data/quality_text.txt in non-overlapping windows, each one prefill of the
-  model's own forward over a paged KV cache in the configuration's cache dtype;
+- perplexity: teacher-forced over bench/data/quality_text.txt in non-overlapping windows, each a sequence of a
+  prefill through the engine's model (its own forward, over a paged KV cache of the engine's cache dtype);
 - greedy agreement: the engine's greedy outputs for bench/data/quality_prompts.txt (each a chat user message)
   against the baseline's: the share of prompts whose whole output is the same, and the mean share of tokens before
   the first difference.
@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.models import DEFAULT_ALIAS, load_model, resolve_model_path
+from backend.models import DEFAULT_ALIAS, resolve_model_path
 from backend.models.loader import TORCH_DTYPES
-from backend.ops import fp8
 from bench.perplexity import BLOCK_SIZE, perplexity
 
 DATA = Path(__file__).parent / "data"
@@ -42,9 +41,15 @@ def load_prompts(n: int | None = None) -> list[str]:
     return lines[:n] if n else lines
 
 
-def text_tokens(tokenizer, max_tokens: int | None = None) -> list[int]:
+def text_windows(tokenizer, window: int, count: int | None = None) -> list[list[int]]:
+    """The text's tokens in consecutive windows; `count` of them, evenly spread over the text, when given."""
     ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
-    return ids[:max_tokens] if max_tokens else ids
+    windows = [ids[i:i + window] for i in range(0, len(ids), window)]
+    if count and count < len(windows):
+        # full windows, spread out: the text's parts differ in how well the model knows them
+        full = [w for w in windows if len(w) == window]
+        windows = [full[round(i * (len(full) - 1) / max(count - 1, 1))] for i in range(min(count, len(full)))]
+    return windows
 
 
 def chat_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -54,28 +59,20 @@ def chat_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
-def text_perplexity(path: str, dtype: torch.dtype, device: str, settings: dict, token_ids: list[int],
-                    window: int) -> dict:
-    """Load the model as the configuration does and measure its perplexity over token_ids."""
-    model = load_model(path, dtype=dtype, device=device, attention_backend="auto", **settings)
-    kv_dtype = fp8.FP8_DTYPE if settings["kv_cache_dtype"] == "fp8" else dtype
-    try:
-        return perplexity(model, token_ids, window, kv_dtype)
-    finally:
-        del model
-
-
-def greedy_outputs(dtype_name: str, device: str, settings: dict, prompt_ids: list[list[int]],
-                   max_tokens: int) -> list[list[int]]:
-    """The engine's greedy tokens for each prompt, with room for every prompt at once (no preemption)."""
+def run_config(dtype_name: str, device: str, settings: dict, windows: list[list[int]],
+               prompt_ids: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
+    """One engine in this configuration: the perplexity of its model over the windows (with a KV cache of the
+    engine's cache dtype), then its greedy tokens for each prompt, all prompts at once (room for all: no
+    preemption)."""
     blocks = sum(-(-(len(p) + max_tokens) // BLOCK_SIZE) for p in prompt_ids)
     engine = Engine(EngineConfig(model=DEFAULT_ALIAS, device=device, dtype=dtype_name, block_size=BLOCK_SIZE,
                                  num_kv_blocks=blocks, max_num_seqs=len(prompt_ids), **settings))
     try:
+        ppl = perplexity(engine.parts.model, windows, engine.parts.kv_cache_dtype)
         outs = engine.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
     finally:
         engine.shutdown()
-    return [list(o.token_ids) for o in outs]
+    return ppl, [list(o.token_ids) for o in outs]
 
 
 def agreement(reference: list[list[int]], outputs: list[list[int]]) -> dict:
@@ -89,21 +86,19 @@ def agreement(reference: list[list[int]], outputs: list[list[int]]) -> dict:
     return dict(exact=statistics.fmean(exact), prefix=statistics.fmean(prefix))
 
 
-def measure(dtype_name: str = "bfloat16", device: str = "cpu", window: int = 512, text_max_tokens: int | None = None,
+def measure(dtype_name: str = "bfloat16", device: str = "cpu", window: int = 512, num_windows: int | None = None,
             num_prompts: int | None = None, max_tokens: int = 32, configs: dict = CONFIGS, log=print) -> dict:
     """Every configuration's perplexity and greedy agreement with the first one's outputs -> {name: figures}."""
     from transformers import AutoTokenizer  # heavy import, only when measuring
 
     path = resolve_model_path(DEFAULT_ALIAS)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    dtype = TORCH_DTYPES[dtype_name]
-    token_ids = text_tokens(tokenizer, text_max_tokens)
+    windows = text_windows(tokenizer, window, num_windows)
     prompt_ids = chat_prompts(tokenizer, load_prompts(num_prompts))
     results, reference = {}, None
     for name, settings in configs.items():
         start = time.perf_counter()
-        ppl = text_perplexity(path, dtype, device, settings, token_ids, window)
-        outputs = greedy_outputs(dtype_name, device, settings, prompt_ids, max_tokens)
+        ppl, outputs = run_config(dtype_name, device, settings, windows, prompt_ids, max_tokens)
         reference = reference or outputs
         base = next(iter(results.values()), None)
         row = dict(settings, perplexity=ppl["perplexity"], tokens=ppl["tokens"],
@@ -125,17 +120,18 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES), help="the baseline's dtype")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
-    ap.add_argument("--text-tokens", type=int, default=None, help="only the text's first N tokens (default: all)")
+    ap.add_argument("--windows", type=int, default=None, help="only N windows, evenly spread over the text "
+                                                              "(default: all)")
     ap.add_argument("--prompts", type=int, default=None, help="only the first N prompts (default: all 200)")
     ap.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="which configurations, the baseline first")
     args = ap.parse_args(argv)
     configs = {name: CONFIGS[name] for name in args.configs.split(",")}
     print(f"# quality: model {DEFAULT_ALIAS}, dtype {args.dtype}, device {args.device}, text {TEXT.name} "
-          f"({args.text_tokens or 'all'} tokens, windows of {args.window}), prompts {PROMPTS.name} "
+          f"({args.windows or 'all'} windows of {args.window} tokens), prompts {PROMPTS.name} "
           f"({args.prompts or 'all'}), greedy max_tokens {args.max_tokens}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}", flush=True)
-    results = measure(args.dtype, args.device, args.window, args.text_tokens, args.prompts, args.max_tokens, configs,
+    results = measure(args.dtype, args.device, args.window, args.windows, args.prompts, args.max_tokens, configs,
                       log=lambda line: print(line, flush=True))
     print(json.dumps(dict(model=DEFAULT_ALIAS, dtype=args.dtype, device=args.device, window=args.window,
                           max_tokens=args.max_tokens, prompts=len(load_prompts(args.prompts)), configs=results)))
