@@ -37,8 +37,9 @@ CONFIGS = {
 
 
 def load_prompts(n: int | None = None) -> list[str]:
+    """The prompts; n of them, evenly spread, when given (questions, instructions and continuations alike)."""
     lines = [line.strip() for line in PROMPTS.read_text().splitlines() if line.strip()]
-    return lines[:n] if n else lines
+    return [lines[i * len(lines) // n] for i in range(n)] if n and n < len(lines) else lines
 
 
 def text_windows(tokenizer, window: int, count: int | None = None) -> list[list[int]]:
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     ap.add_argument("--windows", type=int, default=None, help="only N windows, evenly spread over the text "
                                                               "(default: all)")
-    ap.add_argument("--prompts", type=int, default=None, help="only the first N prompts (default: all 200)")
+    ap.add_argument("--prompts", type=int, default=None, help="only N prompts, evenly spread (default: all 200)")
     ap.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="which configurations, the baseline first")
     args = ap.parse_args(argv)
