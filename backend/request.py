@@ -15,6 +15,7 @@ FINISH_ERROR = "error"
 MAX_LOGPROBS = 20
 MAX_SAMPLES = 64  # n: samples of one prompt
 MAX_LOGIT_BIAS = 100.0  # |bias| is clamped to this, as vLLM does
+MAX_SEED = 2**64 - 1  # the sampler's generator keys on a 64-bit seed (executor/sampler.py); larger ones would wrap
 
 
 @dataclass(slots=True)
@@ -84,8 +85,6 @@ class SamplingParams:
         _float("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
         _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.seed is not None:
-            _int("seed", self.seed, 0)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(
@@ -98,6 +97,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _int("n", self.n, 1, MAX_SAMPLES)
+        if self.seed is not None:
+            _seed(self.seed, self.n)
         if not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias must be an object of token id -> bias")
         for token, bias in self.logit_bias.items():
@@ -159,6 +160,17 @@ def _int(name: str, value: Any, low: int, high: int | None = None) -> None:
     if value < low or (high is not None and value > high):
         rng = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be {rng}, got {_short(value)}")
+
+
+def _seed(seed: Any, n: int) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {_short(seed)}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, {MAX_SEED}] (0 to 2**64 - 1, the generator's 64-bit range), "
+                         f"got {_short(seed)}")
+    if seed + n - 1 > MAX_SEED:  # sample i is seeded seed + i
+        raise ValueError(f"seed + n - 1 must be at most {MAX_SEED} (sample i is seeded seed + i), got seed "
+                         f"{seed} with n {n}")
 
 
 def _float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
