@@ -71,6 +71,41 @@ def test_chat_logprobs_true_with_top_logprobs(triton_server):
         assert entry[str(token)]["logprob"] >= max(e["logprob"] for e in entry.values())
 
 
+# a chat turn the default model answers in a few tokens, then <|im_end|> (its end-of-sequence token)
+CHAT_TURN = "<|im_start|>user\nWhat is the capital of France? Answer in one word.<|im_end|>\n<|im_start|>assistant\n"
+IM_END = 2  # SmolLM2's <|im_end|>
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+@pytest.mark.parametrize("logprobs", [0, 2])
+def test_logprobs_decoded_tokens_follow_the_texts_rule_for_special_tokens(triton_server, logprobs, stream):
+    """A request that ends on <|im_end|>: its text skips special tokens (skip_special_tokens, the default), and so
+    do the decoded tokens of logprobs ("" for <|im_end|>, as vLLM gives): the sampled tokens' decoded_token make up
+    each response's text_output, as the vLLM backend's additional-outputs test checks. With skip_special_tokens
+    false they keep their names."""
+    sampling = {"max_tokens": 32, "temperature": 0, "logprobs": logprobs}
+    flags = {"exclude_input_in_output": True, "return_logprobs": True, "return_output_ids": True,
+             "return_finish_reason": True}
+    got = ask(triton_server, CHAT_TURN, sampling, stream=stream, **flags)
+    assert not got.errors and got.finals == 1, got.errors
+    ids = got.output("output_ids")
+    assert ids[-1] == IM_END and [r for r in got.output("finish_reason") if r != b"None"] == [b"stop"]
+    assert got.text() == "The capital of France is Paris."
+    for response in got.responses:
+        entries = json.loads(response.as_numpy("logprobs")[0])
+        tokens = response.as_numpy("output_ids").tolist()
+        assert len(entries) == len(tokens)
+        decoded = "".join(entry[str(token)]["decoded_token"] for entry, token in zip(entries, tokens))
+        assert decoded == response.as_numpy("text_output")[0].decode()
+        for entry in entries:
+            assert len(entry) <= logprobs + 1
+            if str(IM_END) in entry:  # sampled or an alternative
+                assert entry[str(IM_END)]["decoded_token"] == ""
+    kept = ask(triton_server, CHAT_TURN, {**sampling, "skip_special_tokens": False}, stream=stream, **flags)
+    last = json.loads(kept.responses[-1].as_numpy("logprobs")[0])[-1]
+    assert kept.output("output_ids") == ids and last[str(IM_END)]["decoded_token"] == "<|im_end|>"
+
+
 def test_cumulative_logprob_is_the_sum_of_the_tokens_logprobs(triton_server):
     """return_cumulative_logprob: FP32 cumulative_logprob, the running sum over the output so far in every response
     of a stream; the last one equals the sum of the logprobs returned."""

@@ -1,7 +1,6 @@
 """The one sender thread: engine updates → Triton responses, cancellation checks, gauge refreshes."""
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import time
@@ -11,6 +10,7 @@ from typing import Any, Callable
 import triton_python_backend_utils as pb_utils
 
 from backend import coalesce_outputs
+from backend.outputs.token_text import TokenTexts
 from protocol import ParsedRequest, response_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -79,8 +79,7 @@ class ResponseLoop:
                  on_engine_dead: Callable[[], None] | None = None):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()  # the engine's sink for every request (C put and get)
         self._engine, self._metrics, self._stats_interval = engine, metrics, stats_interval_s
-        # a token id's text, for the logprobs output (cached: the same few thousand tokens come back all the time)
-        self._decode_token = functools.lru_cache(maxsize=1 << 16)(lambda token: engine.tokenizer.decode([token]))
+        self._token_texts = TokenTexts(engine.tokenizer)  # a token id's text, for the logprobs output
         self._on_engine_dead = on_engine_dead  # called once, from this thread, when the engine stops by itself
         self._dead_reported = False
         self._active: dict[str, ActiveRequest] = {}
@@ -174,10 +173,14 @@ class ResponseLoop:
                 self._finish(stream, out)
         elif (stream.req.stream and not stream.cancelled
               and (self._worth_sending(stream.req, out) or out.finished)):  # a sample's end: its finish_reason
-            arrays = response_arrays(stream.req, stream.latest, "", self._decode_token, new=out.index,
+            arrays = response_arrays(stream.req, stream.latest, "", self._decode_token(stream), new=out.index,
                                      cumulative=self._cumulative(stream))
             tensors = [pb_utils.Tensor(k, v) for k, v in arrays.items()]
             self._send(stream, pb_utils.InferenceResponse(output_tensors=tensors), 0)
+
+    def _decode_token(self, stream: ActiveRequest) -> Callable[[int], str]:
+        """decoded_token's text for this request: special tokens left out as its text leaves them out."""
+        return self._token_texts.decoder(stream.req.params.skip_special_tokens)
 
     @staticmethod
     def _cumulative(stream: ActiveRequest) -> list[float] | None:
@@ -202,8 +205,8 @@ class ResponseLoop:
                    or f"request aborted after {len(out.token_ids)} tokens: the model is unloading or the engine stopped")
             response = error_response(msg, pb_utils.TritonError.UNAVAILABLE)
         else:
-            arrays = response_arrays(stream.req, stream.latest, stream.prefix, self._decode_token, new=out.index,
-                                     cumulative=self._cumulative(stream))
+            arrays = response_arrays(stream.req, stream.latest, stream.prefix, self._decode_token(stream),
+                                     new=out.index, cumulative=self._cumulative(stream))
             response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
         self._send(stream, response, FINAL)
         self._metrics.e2e.observe(time.monotonic() - stream.arrival)
