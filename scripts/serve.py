@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from scripts.server_stop import wait_for_exit
 from scripts.tritonserver_env import (REPO_ROOT, find_triton, make_model_repository, request_drain, start_server,
                                      stop_server, wait_until_ready)
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     # Ctrl-C / SIGTERM: ask Triton for an orderly shutdown (it unloads the model); a second one kills it.
-    # The handler only signals: waiting here would race the main thread's proc.wait().
+    # The handler only signals: waiting here would race the main thread's wait_for_exit().
     signals = []
 
     def forward(signum, _frame):
@@ -92,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         stop_server(proc)
         return 1
-    proc.wait()
-    return stop_server(proc) or 0  # also ends stubs the server left in its process group
+    code = wait_for_exit(proc)  # 0 also when the drain was over but Triton could not finish (server_stop.py)
+    stop_server(proc)  # ends stubs the server left in its process group
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.server_stop import STUB_NAME, wait_for_exit
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STUB_NAME = "triton_python_backend_stub"
 _BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 
 
@@ -255,22 +256,20 @@ def request_drain(proc: subprocess.Popen) -> None:
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int | None:
-    """Drain, SIGTERM (Triton waits for the requests in flight, unloads models and ends stubs), then SIGKILL the
-    whole group if it hangs."""
-    if proc.poll() is None:
+    """Drain, SIGTERM (Triton waits for the requests in flight, unloads models and ends stubs; server_stop.py ends
+    a server that cannot finish after the drain), then SIGKILL the whole group if it hangs."""
+    code = proc.poll()
+    if code is None:
         request_drain(proc)
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
+        code = wait_for_exit(proc, timeout)
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # stragglers of this group only (stubs left behind)
     except (ProcessLookupError, PermissionError):
         pass
     if proc.poll() is None:
         proc.wait(timeout=10)
-    return proc.returncode
+    return proc.returncode if code is None else code
 
 
 # the stub reads this variable (model_repository/llm/1/lifecycle.py)

@@ -24,7 +24,7 @@ import threading
 from typing import Callable
 
 DRAIN_FILE_ENV = "TANDEM_DRAIN_FILE"
-_POLL_S = 0.5
+_POLL_S = 0.1  # a stop waits on the drain that this poll starts; two cheap checks per poll
 
 # $1: the stub's pid, $2: its parent's (tritonserver's). /proc/<pid>/stat after the command name's ") ": field 3
 # (state) is $1, field 4 (parent pid) is $2, field 22 (start time) is ${20}. A start time that changed means the stub

@@ -30,7 +30,8 @@ HIDDEN_FOR_NUMPY1 = hide_packages_needing_numpy2()  # before transformers is imp
 from backend import Engine, EngineConfig, EngineDead, EngineOverloaded  # noqa: E402
 from metrics import ServingMetrics  # noqa: E402
 from protocol import parse_request  # noqa: E402
-from lifecycle import LifeWatch  # noqa: E402
+from drain import Drain, held_marker  # noqa: E402
+from lifecycle import DRAIN_FILE_ENV, LifeWatch  # noqa: E402
 from sender import FINAL, ActiveRequest, ResponseLoop, error_response  # noqa: E402
 
 DEFAULT_DRAIN_TIMEOUT_S = 25.0  # below Triton's default --exit-timeout-secs (30), so every stream ends before it
@@ -100,6 +101,9 @@ class TritonPythonModel:
         self.loop.start()
         self._drain_timeout_s = _seconds(adapter.get("drain_timeout_s"), DEFAULT_DRAIN_TIMEOUT_S, "drain_timeout_s")
         self._draining = False
+        self._drainer: Drain | None = None
+        self._stop_lock = threading.Lock()  # the engine stops once: in finalize, or after a drain Triton holds
+        self._stopped = False
         self._watch = LifeWatch(on_orphaned=self._orphaned, on_drain=self._drain)
         self._watch.start()
         if HIDDEN_FOR_NUMPY1:
@@ -133,8 +137,9 @@ class TritonPythonModel:
     def _accept(self, request, answer: "_Answer") -> None:
         answer.sender = sender = request.get_response_sender()
         if self._closing or self._draining or not self.engine.healthy:
-            msg = ("the model is unloading" if self._closing else "the server is shutting down; retry on another replica"
-                   if self._draining else "the engine is not healthy; see the server log")
+            # a drain's stop (its engine stopped while Triton holds the model) still says the server is going
+            msg = ("the server is shutting down; retry on another replica" if self._draining
+                   else "the model is unloading" if self._closing else "the engine is not healthy; see the server log")
             answer.done = True
             sender.send(error_response(msg, pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
             return
@@ -196,20 +201,26 @@ class TritonPythonModel:
                                      "answers UNAVAILABLE until reloaded or restarted")
 
     def _drain(self) -> None:
-        """The launcher is stopping the server (lifecycle.py): take no new requests; streams still running after
-        drain_timeout_s get their final response then, before Triton's exit timeout would cut them."""
+        """The launcher is stopping the server (lifecycle.py): take no new requests; the drain is over once none is
+        in flight, and streams still running after drain_timeout_s get their final response then, before Triton's
+        exit timeout would cut them (drain.py, also for a model Triton keeps loaded after the drain)."""
         self._draining = True
         pb_utils.Logger.log_info(f"tandem: shutting down: draining, at most {self._drain_timeout_s:g} s")
-        timer = threading.Timer(self._drain_timeout_s, self._end_drain)
-        timer.daemon = True
-        timer.start()
+        drain_file = os.environ.get(DRAIN_FILE_ENV)
+        self._drainer = Drain(self._in_flight, self._abort_all, self._stop_engine, self._drain_timeout_s,
+                              held_marker(drain_file, os.getpid()) if drain_file else None,
+                              pb_utils.Logger.log_info)
+        self._drainer.start()
 
-    def _end_drain(self) -> None:
+    # The drain reaches the sender loop through these, never holding it: finalize must free the loop (and its
+    # metric objects, whose destruction in the stub's own teardown segfaults it)
+    def _in_flight(self) -> int:
         loop = self.loop
-        if loop is not None:
-            left = loop.abort_all("the server is shutting down: the request was stopped (finish_reason abort) "
-                                  f"after the {self._drain_timeout_s:g} s drain; retry on another replica")
-            pb_utils.Logger.log_info(f"tandem: drain time over: {left} request(s) stopped")
+        return loop.in_flight() if loop is not None else 0
+
+    def _abort_all(self, message: str) -> int:
+        loop = self.loop
+        return loop.abort_all(message) if loop is not None else 0
 
     def _orphaned(self) -> None:
         """tritonserver is gone (lifecycle.py): nobody can receive an answer. Exit at once: the process's end frees
@@ -221,16 +232,28 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._watch.stop()
-        self._closing = self.loop.closing = True
-        gc_figures = {k: v for k, v in self.engine.stats().items() if k.startswith("gc_")}
-        pb_utils.Logger.log_info(f"tandem: garbage collector since start: {gc_figures}")
-        self.engine.shutdown()  # every unfinished request gets a final "abort" output in the queue
-        self.loop.stop()
-        pb_utils.Logger.log_info("tandem: engine stopped")
-        # why: metric objects destroyed during the stub's own teardown crash it (segfault at exit); free them
-        # while the stub is still whole
-        self.loop = self.engine = None
-        gc.collect()
+        if self._drainer is not None:
+            self._drainer.finalizing()
+        self._stop_engine()
+
+    def _stop_engine(self) -> bool:
+        """Stop the engine and the sender thread in order, once (finalize, or a drain whose model Triton keeps
+        loaded: drain.py); False when that was done before."""
+        with self._stop_lock:
+            if self._stopped:
+                return False
+            self._stopped = True
+            self._closing = self.loop.closing = True
+            gc_figures = {k: v for k, v in self.engine.stats().items() if k.startswith("gc_")}
+            pb_utils.Logger.log_info(f"tandem: garbage collector since start: {gc_figures}")
+            self.engine.shutdown()  # every unfinished request gets a final "abort" output in the queue
+            self.loop.stop()
+            pb_utils.Logger.log_info("tandem: engine stopped")
+            # why: metric objects destroyed during the stub's own teardown crash it (segfault at exit); free them
+            # while the stub is still whole
+            self.loop = self.engine = None
+            gc.collect()
+            return True
 
 
 class _Answer:

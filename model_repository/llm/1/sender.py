@@ -98,6 +98,10 @@ class ResponseLoop:
         """Take a request out of the loop; whoever claims it sends its final response (dict.pop is atomic)."""
         return self._active.pop(request_id, None)
 
+    def in_flight(self) -> int:
+        """Accepted requests whose final response is not sent yet (any thread)."""
+        return len(self._active)
+
     def abort_all(self, message: str) -> int:
         """Stop every request in flight (any thread); their final responses say `message`. Returns how many."""
         self._abort_message = message
