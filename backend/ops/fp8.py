@@ -20,10 +20,16 @@ def is_fp8(t: torch.Tensor | None) -> bool:
     return t is not None and t.dtype == FP8_DTYPE
 
 
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """amax / FP8_MAX as a true division (CUDA turns a division by a Python number into a product with its
+    reciprocal, whose last bit can differ): the same scale bits on every device."""
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=_MIN_SCALE)
+
+
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W (N, K) -> (q (N, K) e4m3, scale (N,) float32): each row's largest magnitude maps to FP8_MAX."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)  # (N,)
+    scale = _scale_of(w.abs().amax(dim=1))  # (N,)
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
@@ -34,7 +40,7 @@ def quantize_per_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     padded = torch.zeros(bn * WEIGHT_BLOCK, bk * WEIGHT_BLOCK, dtype=torch.float32, device=weight.device)
     padded[:n, :k] = weight.float()
     blocks = padded.view(bn, WEIGHT_BLOCK, bk, WEIGHT_BLOCK)  # (bn, 128, bk, 128)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=_MIN_SCALE)  # (bn, bk)
+    scale = _scale_of(blocks.abs().amax(dim=(1, 3)))  # (bn, bk)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:n, :k]
     return q.to(FP8_DTYPE).contiguous(), scale
 
