@@ -16,6 +16,8 @@ COPY backend ./backend
 COPY client ./client
 RUN python3 -m pip install --no-cache-dir --no-deps .
 COPY model_repository ./model_repository
+# the liveness probe (README "Running in production"): python3 -m scripts.health, standard library only
+COPY scripts/__init__.py scripts/health.py ./scripts/
 # the built-in default model is converted from its GGUF once, at build time, so starting needs no network
 ENV TANDEM_CACHE_DIR=/opt/tandem/cache
 RUN python3 -c "from backend.models import resolve_model_path; print(resolve_model_path('smollm2-135m-instruct'))"
