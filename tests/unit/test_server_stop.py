@@ -40,6 +40,9 @@ def stand_in(tmp_path):
         started.append(proc)
         proc.drain_file = tmp_path / "drain"
         stub_pid = int(proc.stdout.readline())
+        deadline = time.monotonic() + 10
+        while server_stop.group_stubs(proc.pid) != {stub_pid: region} and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the stub has exec'd: before, its command line is still the server's
         assert server_stop.group_stubs(proc.pid) == {stub_pid: region}
         return proc, stub_pid, shm
 
