@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+import threading
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -10,6 +11,10 @@ _TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 _E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# the Triton error codes the model answers with (model.py, sender.py): their series exist from the start, at 0
+ERROR_CODES = ("INVALID_ARG", "UNAVAILABLE", "INTERNAL")
+_TRITON_ERROR_CODES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED",
+                       "ALREADY_EXISTS", "CANCELLED")
 # the vLLM backend's buckets for its vllm:* series (REPORT_CUSTOM_METRICS), so dashboards built on them line up
 _VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 _VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
@@ -72,6 +77,48 @@ class _Counter:
         if self._pending:
             self._metric.increment(self._pending)
             self._pending = 0.0
+
+
+class _CodeCounter:
+    """Error responses per Triton error code, counted from any thread and sent to Triton at each flush.
+
+    Both the execute thread (refusals in model.py) and the sender thread count here, so the pending counts sit
+    behind a lock: `pending[code] += 1` is a read then a write, and a thread switch between the two would lose the
+    other thread's count. A lock rather than a queue: an addition under it takes nanoseconds, it is never held
+    across a metric call (an IPC round trip), and flush() takes everything pending in one swap. flush() is called
+    from the sender thread only, so a code not seen before gets its Metric there."""
+
+    def __init__(self, family: Any, labels: dict[str, str], codes: tuple[str, ...]):
+        self._family, self._labels = family, labels
+        self._metrics = {code: family.Metric(labels={**labels, "code": code}) for code in codes}
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+
+    def increment(self, code: str, value: int = 1) -> None:
+        with self._lock:
+            self._pending[code] = self._pending.get(code, 0) + value
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for code, value in pending.items():
+            metric = self._metrics.get(code)
+            if metric is None:
+                metric = self._metrics[code] = self._family.Metric(labels={**self._labels, "code": code})
+            metric.increment(value)
+
+
+def error_code_name(code: Any) -> str:
+    """A pb_utils.TritonError code's name (INVALID_ARG, UNAVAILABLE, ...): the `code` label's value."""
+    if isinstance(code, str):
+        return code
+    name = getattr(code, "name", None)  # the stub's codes are a pybind11 enum
+    if isinstance(name, str) and name:
+        return name
+    for candidate in _TRITON_ERROR_CODES:
+        if getattr(pb_utils.TritonError, candidate, None) == code:
+            return candidate
+    return str(code)
 
 
 class _Fanout:
@@ -147,8 +194,9 @@ class _VllmSeries:
 
 
 class ServingMetrics:
-    """Latency distributions, token counters and engine gauges; updated from the sender thread only. Counters and
-    distributions reach Triton at flush(); gauges are set at each update_engine()."""
+    """Latency distributions, token counters and engine gauges; updated from the sender thread only, except
+    request_error() (any thread: see _CodeCounter). Counters and distributions reach Triton at flush(); gauges are
+    set at each update_engine()."""
 
     def __init__(self, model: str, version: str, instance: str = "", vllm_max_model_len: int | None = None):
         """vllm_max_model_len: also report the vLLM backend's vllm:* series (token-count buckets up to it)."""
@@ -165,6 +213,8 @@ class ServingMetrics:
             "prompt": _family("tandem_prompt_tokens_total", "Prompt tokens of finished requests", counter),
             "generation": _family("tandem_generation_tokens_total", "Generated tokens", counter),
             "requests": _family("tandem_requests_total", "Finished requests by finish reason", counter),
+            "errors": _family("tandem_request_errors_total",
+                              "Final error responses sent to clients, by Triton error code", counter),
             "preemptions": _family("tandem_preemptions_total", "Requests preempted for KV space", counter),
             "running": _family("tandem_num_requests_running", "Requests in the running batch", gauge),
             "waiting": _family("tandem_num_requests_waiting", "Requests waiting to be scheduled", gauge),
@@ -187,6 +237,7 @@ class ServingMetrics:
             _Fanout(ours, theirs) if theirs else ours for ours, theirs in pairs)
         self.finished = {r: _Counter(f["requests"].Metric(labels={**labels, "finish_reason": r}))
                          for r in FINISH_REASONS}
+        self.errors = _CodeCounter(f["errors"], labels, ERROR_CODES)
         self._preemptions = f["preemptions"].Metric(labels=labels)
         gauges = ("running", "waiting", "kv_usage", "kv_used", "gpu_busy", "gpu_busy_uncertain", "healthy")
         self._gauges = {k: f[k].Metric(labels=labels) for k in gauges}
@@ -202,10 +253,14 @@ class ServingMetrics:
         if counter is not None:
             counter.increment(1)
 
+    def request_error(self, code: Any) -> None:
+        """One final error response sent to a client (any thread); code: a pb_utils.TritonError code or its name."""
+        self.errors.increment(error_code_name(code))
+
     def flush(self) -> None:
         """Send what the counters and distributions gathered since the last flush."""
         for item in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens,
-                     *self.finished.values()):
+                     *self.finished.values(), self.errors):
             item.flush()
         if self.vllm is not None:
             self.vllm.flush()

@@ -129,8 +129,7 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"tandem: accepting a request failed: {err!r}")
             if answer.sender is not None and not answer.done:
                 try:
-                    answer.sender.send(error_response(f"internal error: {err!r}", pb_utils.TritonError.INTERNAL),
-                                       flags=FINAL)
+                    self._refuse(answer.sender, f"internal error: {err!r}", pb_utils.TritonError.INTERNAL)
                 except Exception as send_err:  # e.g. the client left before its error reply
                     pb_utils.Logger.log_warn(f"tandem: could not answer a request: {send_err!r}")
 
@@ -141,13 +140,13 @@ class TritonPythonModel:
             msg = ("the server is shutting down; retry on another replica" if self._draining
                    else "the model is unloading" if self._closing else "the engine is not healthy; see the server log")
             answer.done = True
-            sender.send(error_response(msg, pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            self._refuse(sender, msg, pb_utils.TritonError.UNAVAILABLE)
             return
         try:
             req = parse_request(lambda name: _input(request, name), request.parameters())
         except ValueError as err:
             answer.done = True
-            sender.send(error_response(str(err), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+            self._refuse(sender, str(err), pb_utils.TritonError.INVALID_ARG)
             return
         request_id = f"{request.request_id() or 'req'}-{next(self._ids)}"
         if self._log_prompts:
@@ -170,6 +169,13 @@ class TritonPythonModel:
             # the sender thread answers it: only that thread sends on a registered stream or asks is_cancelled(),
             # so no sender is queried after its final response freed it (seen as a segfault in a soak)
             self.loop.fail(request_id, msg, code)
+
+    def _refuse(self, sender, message: str, code) -> None:
+        """A request's final error response from this (the execute) thread, counted once it is sent."""
+        sender.send(error_response(message, code), flags=FINAL)
+        loop = self.loop  # None once finalize has freed the loop and its metrics
+        if loop is not None:
+            loop.error_sent(code)
 
     def _prefix(self, req) -> str:
         """The prompt text a non-streaming response starts with (vLLM's exclude_input_in_output=false)."""

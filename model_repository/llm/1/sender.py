@@ -114,6 +114,10 @@ class ResponseLoop:
         """Answer a registered request with an error, from the sender thread (any thread may call this)."""
         self.queue.put(_Failure(request_id, message, code))
 
+    def error_sent(self, code: Any) -> None:
+        """Count a final error response sent outside this loop: a refusal in execute() (any thread)."""
+        self._metrics.request_error(code)
+
     def stop(self, timeout: float = 30.0) -> None:
         """Call after engine.shutdown(): its final outputs are queued ahead of the stop marker."""
         self.queue.put(_STOP)
@@ -156,7 +160,7 @@ class ResponseLoop:
         if isinstance(out, _Failure):
             stream = self.claim(out.request_id)
             if stream is not None:
-                self._send(stream, error_response(out.message, out.code), FINAL)
+                self._send(stream, error_response(out.message, out.code), FINAL, error=out.code)
             return
         try:
             self._handle(out)
@@ -165,7 +169,8 @@ class ResponseLoop:
             stream = self.claim(out.request_id)
             if stream is not None:
                 self._engine.abort(out.request_id)
-                self._send(stream, error_response(f"internal error: {err}", pb_utils.TritonError.INTERNAL), FINAL)
+                code = pb_utils.TritonError.INTERNAL
+                self._send(stream, error_response(f"internal error: {err}", code), FINAL, error=code)
 
     def _handle(self, out: Any) -> None:
         stream = self._active.get(out.request_id)
@@ -200,19 +205,22 @@ class ResponseLoop:
         """The request's one final response: for n > 1 after its last sample (or a failed one: the rest stop)."""
         if len(stream.latest) > 1 and out.finish_reason in ("error", "abort"):
             self._engine.abort(stream.request_id)
+        code = None  # the error code of an error response
         if stream.cancelled:
             response = None  # the client is gone: only close the stream
         elif out.finish_reason == "error":
-            response = error_response(f"engine error: {out.error or 'unknown'}", pb_utils.TritonError.INTERNAL)
+            code = pb_utils.TritonError.INTERNAL
+            response = error_response(f"engine error: {out.error or 'unknown'}", code)
         elif out.finish_reason == "abort":
             msg = (self._abort_message
                    or f"request aborted after {len(out.token_ids)} tokens: the model is unloading or the engine stopped")
-            response = error_response(msg, pb_utils.TritonError.UNAVAILABLE)
+            code = pb_utils.TritonError.UNAVAILABLE
+            response = error_response(msg, code)
         else:
             arrays = response_arrays(stream.req, stream.latest, stream.prefix, self._decode_token(stream),
                                      new=out.index, cumulative=self._cumulative(stream))
             response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
-        self._send(stream, response, FINAL)
+        self._send(stream, response, FINAL, error=code)
         self._metrics.e2e.observe(time.monotonic() - stream.arrival)
         generated = sum(len(sample.token_ids) for sample in stream.latest if sample is not None)
         self._metrics.request_finished(out.finish_reason, out.num_prompt_tokens, generated, len(stream.latest))
@@ -233,7 +241,10 @@ class ResponseLoop:
             self._metrics.itl.observe((now - stream.last_token) / n, count=n)
         stream.last_token = now
 
-    def _send(self, stream: ActiveRequest, response: Any, flags: int) -> None:
+    def _send(self, stream: ActiveRequest, response: Any, flags: int, error: Any = None) -> None:
+        """error: the code of an error response, counted in tandem_request_errors_total once sent (a cancelled
+        request's client gets no error: it is not counted, nor is a send that failed)."""
+        counted = error is not None and response is not None and not stream.cancelled
         try:
             if response is None:
                 stream.sender.send(flags=flags)
@@ -245,6 +256,9 @@ class ResponseLoop:
                 stream.cancelled = True
                 if flags != FINAL:
                     self._engine.abort(stream.request_id)
+        else:
+            if counted:
+                self._metrics.request_error(error)
 
     def _housekeeping(self, now: float) -> None:
         if now >= self._next_cancel_check:
@@ -304,4 +318,4 @@ class ResponseLoop:
         for request_id in list(self._active):
             stream = self.claim(request_id)
             if stream is not None:
-                self._send(stream, None if stream.cancelled else error_response(message, code), FINAL)
+                self._send(stream, None if stream.cancelled else error_response(message, code), FINAL, error=code)
