@@ -260,6 +260,89 @@ def test_burst_beyond_the_queue_is_refused_with_unavailable(bounded_queue_server
     assert_idle(server)
 
 
+# ---- error responses by code: tandem_request_errors_total ---------------------------------------------
+CODES = ("INVALID_ARG", "UNAVAILABLE", "INTERNAL")
+
+
+def error_counts(server) -> dict[str, float | None]:
+    """tandem_request_errors_total of this model per code (None: no such series)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    counts: dict[str, float | None] = dict.fromkeys(CODES)
+    for labels, value in re.findall(r"^tandem_request_errors_total\{([^}]*)\} ([0-9.eE+-]+)$", text, re.M):
+        code = re.search(r'code="([^"]*)"', labels)
+        if f'model="{server.model_name}"' in labels and code:
+            counts[code.group(1)] = (counts.get(code.group(1)) or 0.0) + float(value)
+    return counts
+
+
+def settled_error_counts(server) -> dict[str, float | None]:
+    """The counts once the model's 0.1 s flush has sent every count (two equal readings 0.3 s apart)."""
+    counts = error_counts(server)
+    while True:
+        time.sleep(0.3)
+        again = error_counts(server)
+        if again == counts:
+            return counts
+        counts = again
+
+
+def test_invalid_input_counts_one_invalid_arg_and_good_requests_count_nothing(triton_server):
+    server = triton_server
+    before = settled_error_counts(server)
+    assert None not in before.values(), before  # the codes the model sends have their series from the load on
+    good = http_generate(server, {"text_input": "Hi", "parameters": OK})
+    assert good.status_code == 200, good.text
+    assert settled_error_counts(server) == before
+
+    # refused in execute() (the request parser)
+    bad = http_generate(server, {"text_input": "Hi", "sampling_parameters": '{"max_tokens": 4'})
+    assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"], bad.text
+    wait_for(lambda: error_counts(server)["INVALID_ARG"] > before["INVALID_ARG"], 10, "the INVALID_ARG count")
+    assert settled_error_counts(server) == {**before, "INVALID_ARG": before["INVALID_ARG"] + 1}
+
+    # refused by the engine's admission, answered by the sender thread; over gRPC, which carries no code
+    stream = GrpcStream(server)
+    try:
+        stream.send("long", grpc_inputs(ids=[17] * (MAX_LEN + 5), sampling=OK))
+        got = stream.wait_all(timeout=30)["long"]
+    finally:
+        stream.close()
+    assert len(got.errors) == 1 and "maximum model length" in got.errors[0].message(), got.errors
+    wait_for(lambda: error_counts(server)["INVALID_ARG"] > before["INVALID_ARG"] + 1, 10, "the INVALID_ARG count")
+    assert settled_error_counts(server) == {**before, "INVALID_ARG": before["INVALID_ARG"] + 2}
+
+    # Triton itself refuses a wrong type against config.pbtxt: the model never sees it, so it is not counted here
+    refused = http_generate(server, {"input_ids": [1.5, 2.0], "parameters": OK})
+    assert refused.status_code == 500, refused.text
+    good = http_generate(server, {"text_input": "Hello", "parameters": OK})
+    assert good.status_code == 200, good.text
+    assert settled_error_counts(server) == {**before, "INVALID_ARG": before["INVALID_ARG"] + 2}
+
+
+def test_requests_refused_by_a_full_queue_count_as_unavailable(bounded_queue_server):
+    server, n = bounded_queue_server, 12
+    before = settled_error_counts(server)
+    answers: queue.Queue = queue.Queue()
+
+    def call(i: int) -> None:
+        r = http_generate(server, {"text_input": f"Counted burst {i} says", "exclude_input_in_output": True,
+                                   "parameters": {"max_tokens": 16, "temperature": 0, "ignore_eos": True}})
+        answers.put((r.status_code, r.json()))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    got = [answers.get_nowait() for _ in range(answers.qsize())]
+    assert len(got) == n, "some requests never got an answer"
+    refused = [body for status, body in got if status != 200]
+    assert len(refused) >= n - 6, got  # 2 running + 4 waiting at most
+    assert all("overloaded" in body["error"] for body in refused), refused
+    assert_idle(server)
+    assert settled_error_counts(server) == {**before, "UNAVAILABLE": before["UNAVAILABLE"] + len(refused)}
+
+
 # ---- 5. security basics ----------------------------------------------------------------------------
 PRODUCT_DIRS = ("backend", "bench", "model_repository", "client", "loadtest", "scripts")
 
