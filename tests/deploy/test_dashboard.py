@@ -104,3 +104,13 @@ def test_the_grafana_config_map_carries_the_dashboard():
     config_map = find(rendered("grafana"), "ConfigMap", "tandem-grafana-dashboard")
     assert config_map["metadata"]["labels"] == {"grafana_dashboard": "1"}
     assert json.loads(config_map["data"][DASHBOARD_PATH.name]) == load_dashboard()
+
+
+def test_errors_panel_counts_error_responses_by_code():
+    """The errors panel reads the counter of error responses (every code, refusals at admission included), not
+    the finish reasons, which miss requests refused before they reach the engine."""
+    panel = next(p for p in panels(load_dashboard()) if p["title"] == "Errors by code")
+    exprs = [target["expr"] for target in panel["targets"]]
+    assert [metric_names(expr) for expr in exprs] == [{"tandem_request_errors_total"}]
+    assert exprs[0].startswith("sum by (code) (rate(tandem_request_errors_total{"), exprs[0]
+    assert panel["targets"][0]["legendFormat"] == "{{code}}"
