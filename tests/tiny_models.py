@@ -5,7 +5,7 @@ import os
 import time
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
 VOCAB = 256
@@ -36,6 +36,17 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"<{EOS}>")
+
+
+def byte_level_bpe(texts: list[str], vocab_size: int, eos: str) -> PreTrainedTokenizerFast:
+    """A tiny byte-level BPE trained here on texts, eos its one special token: multi-byte characters span tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, clean_up_tokenization_spaces=False)
 
 
 def build_tiny(family: str, root: str, seed: int = 0) -> str:

@@ -48,27 +48,21 @@ def test_refuses_a_field_it_does_not_handle(tmp_path):
         render(folder)
 
 
-def test_refuses_a_patch_of_a_missing_path(tmp_path):
-    folder = _kustomization(tmp_path, """resources: [cm.yaml]
+PATCH = """resources: [cm.yaml]
 patches:
-  - target: {kind: ConfigMap, name: x}
+  - target: {{kind: {kind}, name: x}}
     patch: |-
-      - op: replace
-        path: /data/missing
-        value: c
-""")
-    with pytest.raises(KustomizeError, match="/data/missing does not exist"):
-        render(folder)
+      - op: {op}
+        path: {path}
+        value: {value}
+"""
 
 
-def test_refuses_a_patch_that_matches_nothing(tmp_path):
-    folder = _kustomization(tmp_path, """resources: [cm.yaml]
-patches:
-  - target: {kind: Deployment, name: x}
-    patch: |-
-      - op: add
-        path: /spec
-        value: {}
-""")
-    with pytest.raises(KustomizeError, match="matches nothing"):
+@pytest.mark.parametrize("kind,op,path,value,error", [
+    ("ConfigMap", "replace", "/data/missing", "c", "/data/missing does not exist"),  # a path that is not there
+    ("Deployment", "add", "/spec", "{}", "matches nothing"),  # a target no resource is
+])
+def test_refuses_a_patch_it_cannot_apply(tmp_path, kind, op, path, value, error):
+    folder = _kustomization(tmp_path, PATCH.format(kind=kind, op=op, path=path, value=value))
+    with pytest.raises(KustomizeError, match=error):
         render(folder)

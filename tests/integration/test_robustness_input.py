@@ -231,13 +231,13 @@ def bounded_queue_server(tmp_path_factory):
     close_server(server)
 
 
-def test_burst_beyond_the_queue_is_refused_with_unavailable(bounded_queue_server):
-    server, n = bounded_queue_server, 16
+def _burst(server, n: int, prompt: str) -> list[tuple[int, dict, float]]:
+    """n requests at once over HTTP, 16 greedy tokens each: (status, body, seconds) of every answer."""
     answers: queue.Queue = queue.Queue()
 
     def call(i: int) -> None:
         started = time.monotonic()
-        r = http_generate(server, {"text_input": f"Burst request {i} says", "exclude_input_in_output": True,
+        r = http_generate(server, {"text_input": f"{prompt} {i} says", "exclude_input_in_output": True,
                                    "parameters": {"max_tokens": 16, "temperature": 0, "ignore_eos": True}})
         answers.put((r.status_code, r.json(), time.monotonic() - started))
 
@@ -248,6 +248,12 @@ def test_burst_beyond_the_queue_is_refused_with_unavailable(bounded_queue_server
         t.join(120)
     got = [answers.get_nowait() for _ in range(answers.qsize())]
     assert len(got) == n, "some requests never got an answer"
+    return got
+
+
+def test_burst_beyond_the_queue_is_refused_with_unavailable(bounded_queue_server):
+    server, n = bounded_queue_server, 16
+    got = _burst(server, n, "Burst request")
     accepted = [body for status, body, _ in got if status == 200]
     refused = [(status, body, secs) for status, body, secs in got if status != 200]
     assert 1 <= len(accepted) <= 6 and len(refused) >= n - 6, got  # 2 running + 4 waiting at most
@@ -322,21 +328,8 @@ def test_invalid_input_counts_one_invalid_arg_and_good_requests_count_nothing(tr
 def test_requests_refused_by_a_full_queue_count_as_unavailable(bounded_queue_server):
     server, n = bounded_queue_server, 12
     before = settled_error_counts(server)
-    answers: queue.Queue = queue.Queue()
-
-    def call(i: int) -> None:
-        r = http_generate(server, {"text_input": f"Counted burst {i} says", "exclude_input_in_output": True,
-                                   "parameters": {"max_tokens": 16, "temperature": 0, "ignore_eos": True}})
-        answers.put((r.status_code, r.json()))
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    got = [answers.get_nowait() for _ in range(answers.qsize())]
-    assert len(got) == n, "some requests never got an answer"
-    refused = [body for status, body in got if status != 200]
+    got = _burst(server, n, "Counted burst")
+    refused = [body for status, body, _ in got if status != 200]
     assert len(refused) >= n - 6, got  # 2 running + 4 waiting at most
     assert all("overloaded" in body["error"] for body in refused), refused
     assert_idle(server)

@@ -1,10 +1,9 @@
 """IncrementalDetokenizer: exact deltas, no half characters, stop strings, hold-back and its release."""
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from backend.outputs.detokenizer import IncrementalDetokenizer
 from backend.request import SamplingParams
+from tests.tiny_models import byte_level_bpe
 
 SENTENCES = [
     "héllo wörld 日本語 🙂",
@@ -18,13 +17,7 @@ EOS = "<|endoftext|>"
 @pytest.fixture(scope="module")
 def tokenizer():
     """A tiny byte-level BPE trained here: multi-byte characters span several tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(SENTENCES * 5, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, clean_up_tokenization_spaces=False)
+    return byte_level_bpe(SENTENCES * 5, 300, EOS)
 
 
 def stream(tokenizer, text, params, chunk=1, prompt="the prompt"):

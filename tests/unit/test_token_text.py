@@ -2,12 +2,11 @@
 keep their names where it does not; other tokens read the same either way, and the sampled tokens' texts make up the
 request's text."""
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from backend.outputs.detokenizer import IncrementalDetokenizer
 from backend.outputs.token_text import TokenTexts
 from backend.request import SamplingParams
+from tests.tiny_models import byte_level_bpe
 
 EOS = "<|im_end|>"
 
@@ -15,13 +14,7 @@ EOS = "<|im_end|>"
 @pytest.fixture(scope="module")
 def tokenizer():
     """A tiny byte-level BPE with one special token, trained here."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["The capital of France is Paris."] * 5, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, clean_up_tokenization_spaces=False)
+    return byte_level_bpe(["The capital of France is Paris."] * 5, 280, EOS)
 
 
 def test_special_tokens_follow_skip_special_tokens(tokenizer):
