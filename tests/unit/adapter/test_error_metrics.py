@@ -13,7 +13,7 @@ import pytest
 
 from backend.request import RequestOutput, SamplingParams
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "llm" / "1"
+MODEL_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "llm" / "1"
 ERRORS = "tandem_request_errors_total"
 LABELS = {"model": "llm", "version": "1", "instance": "llm_0_0"}
 

@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "model_repository" / "llm" / "1"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "model_repository" / "llm" / "1"))
 from drain import HELD_MARKER, Drain, held_marker  # noqa: E402
 
 from scripts import server_stop  # noqa: E402

@@ -244,7 +244,7 @@ class _FakeFamily:
 def test_the_uncertain_share_is_its_own_gauge_beside_gpu_busy(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace(MetricFamily=_FakeFamily))
     monkeypatch.setattr(_FakeFamily, "made", [])
-    path = Path(__file__).resolve().parents[2] / "model_repository" / "llm" / "1" / "metrics.py"
+    path = Path(__file__).resolve().parents[3] / "model_repository" / "llm" / "1" / "metrics.py"
     spec = importlib.util.spec_from_file_location("serving_metrics_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tests.request_strategies import FLAG, PROMPT, RAW_SAMPLING, SAMPLING, nested
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "model_repository" / "llm" / "1"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "model_repository" / "llm" / "1"))
 from protocol import ParsedRequest, parse_request  # noqa: E402
 
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MODULE = REPO / "model_repository" / "llm" / "1" / "numpy_compat.py"
 
 

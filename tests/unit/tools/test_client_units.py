@@ -21,7 +21,7 @@ from tandem_client.urls import grpc_target, http_base
 from loadtest.metrics import entries
 from loadtest.report import check_slos, from_locust_csv, from_samples, summarize, table
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # --- SSE -------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "model_repository" / "llm" / "1"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "model_repository" / "llm" / "1"))
 from lifecycle import start_reaper  # noqa: E402
 
 # a stand-in for tritonserver: starts a long sleep (the stand-in stub) and prints its pid
