@@ -1,9 +1,6 @@
 """backend.text_values: the one yes/no parser of settings, adapter parameters and request fields."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from backend.config import EngineConfig
@@ -34,20 +31,3 @@ def test_engine_settings_read_through_it():
     assert EngineConfig.from_dict({"gc_freeze": "off"}).gc_freeze is False
     with pytest.raises(ValueError, match="gc_freeze must be true or false"):
         EngineConfig.from_dict({"gc_freeze": "flase"})
-
-
-def _adapter_flags():
-    model_dir = Path(__file__).resolve().parents[2] / "model_repository" / "llm" / "1"
-    spec = importlib.util.spec_from_file_location("adapter_flags", model_dir / "adapter_flags.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.adapter_flags
-
-
-def test_the_adapters_flags_read_through_it():
-    flags = _adapter_flags()
-    assert flags({}) == {"log_prompts": False, "REPORT_CUSTOM_METRICS": False, "unload_on_engine_failure": True}
-    assert flags({"unload_on_engine_failure": "true", "ENABLE_VLLM_HEALTH_CHECK": "false"})["unload_on_engine_failure"] \
-        is False  # the vLLM backend's key wins
-    with pytest.raises(ValueError, match=r"config.pbtxt parameters: log_prompts must be true or false, got 'ture'"):
-        flags({"log_prompts": "ture"})
