@@ -4,8 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from backend.text_values import parse_bool
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "fp8")
@@ -132,7 +130,11 @@ def _coerce(key: str, raw: Any, default: Any) -> Any:
     if isinstance(default, bool) or key in ("async_pipeline",):
         if text.lower() in ("", "none", "auto") and key == "async_pipeline":
             return None
-        return parse_bool(key, raw)
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{key} must be true or false, got {raw!r}")
     if isinstance(default, int) or key in ("num_kv_blocks", "max_model_len"):
         if text.lower() in ("", "none", "auto") and default is None:
             return None

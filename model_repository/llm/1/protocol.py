@@ -8,7 +8,6 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.request import SamplingParams
-from backend.text_values import parse_bool
 from vllm_compat import translate_vllm_keys
 
 RETURN_FLAGS = (
@@ -157,7 +156,11 @@ def _coerce(key: str, value: Any) -> Any:
     except ValueError:
         raise ValueError(f"{key} must be a number, got {value!r}") from None
     if key in _BOOL_FIELDS:
-        return parse_bool(key, value)
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"{key} must be true or false, got {value!r}")
     return value
 
 
