@@ -11,7 +11,7 @@ from backend.core.step_update import StepUpdater
 from backend.engine_inbox import EngineInbox
 from backend.engine_setup import EngineParts, device_scope
 from backend.engine_stats import EngineStats
-from backend.step_records import StepState
+from backend.executor.packer import StepState
 from backend.outputs.processor import OutputProcessor, StepEvent
 from backend.request import FINISH_ABORT, FINISH_ERROR, Request, RequestStatus
 from backend.request_registry import LiveRequests
