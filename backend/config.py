@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from backend.text_values import parse_bool
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "fp8")
@@ -70,14 +72,27 @@ class EngineConfig:
         """Raise ValueError naming the first wrong setting and what it accepts."""
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a checkpoint folder or the alias 'smollm2-135m-instruct'")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        for name, choices in (("dtype", _DTYPES), ("quantization", QUANTIZATIONS),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got "
+                                 f"{getattr(self, name)!r}")
+        self._validate_sizes()
+        for name, note in (("dependent_decode_rows", ""), ("gc_young_threshold", " (0: Python's own)")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0{note}, got {value!r}")
+        if not isinstance(self.test_fault_every_n_steps, int) or self.test_fault_every_n_steps < 0:
+            raise ValueError(f"test_fault_every_n_steps must be >= 0, got {self.test_fault_every_n_steps!r}")
+        return self
+
+    def _validate_sizes(self) -> None:
+        """The block, cache, batch and queue sizes."""
         _positive("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -85,9 +100,9 @@ class EngineConfig:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if not 0.0 < self.kv_cache_memory_fraction <= 0.98:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.98], got {self.kv_cache_memory_fraction}")
-        _positive("kv_cache_cpu_bytes", self.kv_cache_cpu_bytes)
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        for name in ("kv_cache_cpu_bytes", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
+                     "max_graph_batch_size", "max_stop_strings", "max_stop_string_length"):
+            _positive(name, getattr(self, name))
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -95,26 +110,14 @@ class EngineConfig:
             )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
-        _positive("max_waiting_requests", self.max_waiting_requests)
-        _positive("max_graph_batch_size", self.max_graph_batch_size)
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
-        if self.linear_backend not in ("auto", "triton", "cublas"):
-            raise ValueError(f"linear_backend must be auto, triton or cublas, got {self.linear_backend!r}")
-        if self.dependent_launch not in ("auto", "decode", "on", "off"):
-            raise ValueError(f"dependent_launch must be auto, decode, on or off, got {self.dependent_launch!r}")
-        if not isinstance(self.dependent_decode_rows, int) or isinstance(self.dependent_decode_rows, bool) \
-                or self.dependent_decode_rows < 0:
-            raise ValueError(f"dependent_decode_rows must be an integer >= 0, got {self.dependent_decode_rows!r}")
-        if not isinstance(self.gc_young_threshold, int) or isinstance(self.gc_young_threshold, bool) \
-                or self.gc_young_threshold < 0:
-            raise ValueError(f"gc_young_threshold must be an integer >= 0 (0: Python's own), got "
-                             f"{self.gc_young_threshold!r}")
-        _positive("max_stop_strings", self.max_stop_strings)
-        _positive("max_stop_string_length", self.max_stop_string_length)
-        if not isinstance(self.test_fault_every_n_steps, int) or self.test_fault_every_n_steps < 0:
-            raise ValueError(f"test_fault_every_n_steps must be >= 0, got {self.test_fault_every_n_steps!r}")
-        return self
+
+
+# settings of a few named values, checked in this order after the model, dtype and device
+_CHOICES = {
+    "attention_backend": ("auto", "torch", "triton"),
+    "linear_backend": ("auto", "triton", "cublas"),
+    "dependent_launch": ("auto", "decode", "on", "off"),
+}
 
 
 def _positive(name: str, value: Any) -> None:
@@ -130,11 +133,7 @@ def _coerce(key: str, raw: Any, default: Any) -> Any:
     if isinstance(default, bool) or key in ("async_pipeline",):
         if text.lower() in ("", "none", "auto") and key == "async_pipeline":
             return None
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{key} must be true or false, got {raw!r}")
+        return parse_bool(key, raw)
     if isinstance(default, int) or key in ("num_kv_blocks", "max_model_len"):
         if text.lower() in ("", "none", "auto") and default is None:
             return None

@@ -73,23 +73,9 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    path = "<given model>"
-    step_ops = None  # a given or built-in model's steps all launch with its own ops
-    if model is None and config.model in BUILT_IN_MODELS:  # e.g. the stand-in, to time the engine's own work
-        path = config.model
-        model, tokenizer = BUILT_IN_MODELS[path](device)
-    elif model is None:
-        from transformers import AutoTokenizer
-
-        path = resolve_model_path(config.model, config.cache_dir)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        dependent = _dependent_launch(config.dependent_launch, backend, device)
-        model = load_model(path, dtype=dtype, device=device, attention_backend=backend,
-                           linear_backend=config.linear_backend, dependent_launch=dependent,
-                           quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
-        if dependent and config.dependent_launch in ("auto", "decode"):
-            plain = get_ops(backend, config.linear_backend, False)
-            step_ops = StepOps(model.ops, plain, config.dependent_decode_rows)
+    path, step_ops = "<given model>", None  # a given model's steps all launch with its own ops
+    if model is None:
+        path, model, tokenizer, step_ops = _load(device, config, dtype, backend)
     spec = model.spec
     max_len = config.max_model_len or min(spec.max_position_embeddings, _DEFAULT_MAX_LEN_CAP)
     if max_len > spec.max_position_embeddings:
@@ -114,6 +100,25 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
              path, device, dtype, num_blocks, config.block_size, kv_dtype, max_len, backend, async_pipeline)
     return EngineParts(device, dtype, model, tokenizer, max_len, block_manager, scheduler, runner, timeline,
                        async_pipeline, kv_dtype)
+
+
+def _load(device: torch.device, config: EngineConfig, dtype: torch.dtype, backend: str):
+    """(path, model, tokenizer, step ops or None) of config.model: a built-in model (e.g. the stand-in, to time the
+    engine's own work) or a checkpoint, whose decode steps may launch as programmatic dependents (StepOps)."""
+    if config.model in BUILT_IN_MODELS:
+        return (config.model, *BUILT_IN_MODELS[config.model](device), None)
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(config.model, config.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    dependent = _dependent_launch(config.dependent_launch, backend, device)
+    model = load_model(path, dtype=dtype, device=device, attention_backend=backend,
+                       linear_backend=config.linear_backend, dependent_launch=dependent,
+                       quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
+    step_ops = None
+    if dependent and config.dependent_launch in ("auto", "decode"):
+        step_ops = StepOps(model.ops, get_ops(backend, config.linear_backend, False), config.dependent_decode_rows)
+    return path, model, tokenizer, step_ops
 
 
 def _kv_cache_dtype(config: EngineConfig, model, dtype: torch.dtype) -> torch.dtype:

@@ -63,7 +63,7 @@ class _DecodeSetup:
     """A decode batch over a random paged cache: every sequence `context` long, shuffled block ids."""
 
     def __init__(self, batch, context, num_heads, num_kv_heads, head_dim, block_size, dtype):
-        from backend.ops.torch.attention import AttentionMetadata
+        from backend.ops.attention_metadata import AttentionMetadata
 
         dev = _DEV
         blocks_per_seq = -(-context // block_size)
@@ -144,7 +144,7 @@ def bench_prefill_attention(num_tokens=2048, num_seqs=1, num_heads=32, num_kv_he
                             block_size=16, dtype=torch.bfloat16, **launch) -> dict:
     """Causal prefill of `num_seqs` prompts of num_tokens/num_seqs tokens each; TFLOP/s of the causal half."""
     _require_cuda()
-    from backend.ops.torch.attention import AttentionMetadata
+    from backend.ops.attention_metadata import AttentionMetadata
     from backend.ops.triton import attention as ta
 
     dev = _DEV
@@ -177,7 +177,7 @@ class _PagedBatch:
 
     def __init__(self, seqs, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
                  cache=None):
-        from backend.ops.torch.attention import AttentionMetadata
+        from backend.ops.attention_metadata import AttentionMetadata
 
         dev = _DEV
         lens = [c + n for c, n in seqs]

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from backend.ops.torch.attention import AttentionMetadata
+from backend.ops.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 16
 

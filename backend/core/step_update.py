@@ -17,7 +17,7 @@ from backend.outputs.processor import StepEvent
 from backend.request import FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
 
 if TYPE_CHECKING:
-    from backend.executor.packer import StepResult, StepState
+    from backend.step_records import StepResult, StepState
 
 
 class StepUpdater:

@@ -2,7 +2,6 @@
 positions, KV slots, block tables, the rows whose logits are sampled, and the sampling settings of those rows."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import islice
 
 import numpy as np
@@ -15,46 +14,7 @@ from backend.executor.sampler import SamplingTensors, fill_padding_rows, fill_re
     tensors_from_rows
 from backend.executor.steady_sampling import SteadySamplingRows, fill_plain_greedy_rows, merge_flags
 from backend.request import Request
-
-
-@dataclass(slots=True)
-class StepState:
-    """A launched step: what it holds and where its results land."""
-
-    batch: ScheduledBatch
-    slot: Slot
-    sampled: list[Request] = field(default_factory=list)  # requests in output-row order
-    read_logprobs: bool = False
-    num_top: int = 0
-    max_len: int = 0  # longest context after this step of the batch's requests but its steady rows
-    steady_version: int = -1  # the steady batch's version when this step was packed from it
-    _row_of: dict[int, int] | None = None
-
-    def longest_context(self) -> int:
-        """Longest context of the batch after this step. The steady rows' part is read from their counts when asked,
-        in the step's launch (the counts move at the next schedule): a step that replays a graph never asks."""
-        if self.batch.steady is None or not self.batch.num_steady_rows:
-            return self.max_len
-        return max(self.max_len, int(self.batch.steady.computed.max()))
-
-    @property
-    def row_of(self) -> dict[int, int]:
-        """id(request) → output row, made when first asked (after packing): most steps are never asked."""
-        if self._row_of is None:
-            self._row_of = dict(zip(map(id, self.sampled), range(len(self.sampled))))
-        return self._row_of
-
-
-@dataclass(slots=True)
-class StepResult:
-    """Tokens (and logprobs) read back for each sampled request of a step."""
-
-    requests: list[Request]
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    ranks: list[int] | None = None  # the sampled token's rank in its row, with logprobs
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
+from backend.step_records import StepState
 
 
 class SlotPacker:

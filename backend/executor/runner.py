@@ -6,11 +6,12 @@ import torch
 from backend.core.scheduler import ScheduledBatch
 from backend.executor.graphs import DecodeGraphs
 from backend.executor.logit_rules import logit_edits
-from backend.executor.packer import SlotPacker, StepResult, StepState
+from backend.executor.packer import SlotPacker
+from backend.step_records import StepResult, StepState
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
 from backend.executor.sampler import Sampler, SamplingTensors
 from backend.executor.step_ops import StepOps
-from backend.ops.torch.attention import AttentionMetadata
+from backend.ops.attention_metadata import AttentionMetadata
 from backend.runtime.timeline import Timeline
 
 

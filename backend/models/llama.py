@@ -10,7 +10,7 @@ from torch import nn
 
 from backend.models.spec import ModelSpec
 from backend.ops import Ops
-from backend.ops.torch.attention import AttentionMetadata
+from backend.ops.attention_metadata import AttentionMetadata
 
 # model_type -> the transformers class prefix whose RotaryEmbedding we reuse
 ROTARY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}

@@ -212,88 +212,91 @@ def _load_weights(ckpt: _Checkpoint, config, spec: ModelSpec, dtype, device,
     device, one at a time. Embeddings, the LM head and the norms are always in dtype: the LM head's output is the
     logits themselves, so its error would go straight into the sampled distribution; the embedding is a gather of a
     few rows a token, not a GEMM streaming the whole matrix, so FP8 would save no bandwidth; norms are tiny."""
-    requantized = []
+    reader = _WeightReader(ckpt, dtype, device, quant, quantize)
+    layers = [reader.layer(i, spec) for i in range(spec.num_layers)]
+    if reader.requantized:
+        logger.warning("%d fused FP8 weights (%s) were requantized per 128 x 128 block: their parts' rows are not "
+                       "multiples of 128, so the fused blocks would straddle two parts' scales; they differ from the "
+                       "checkpoint by up to one more e4m3 rounding", len(reader.requantized),
+                       ", ".join(sorted(set(reader.requantized))))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return dict(
+        embed=reader.wide("embed_tokens"),
+        layers=layers,
+        final_norm=reader.put("norm.weight"),
+        lm_head=None if tied else reader.wide("lm_head"),
+    )
 
-    def put(name: str, required: bool = True) -> torch.Tensor | None:
-        t = ckpt.get(name) if required else ckpt.maybe(name)
+
+class _WeightReader:
+    """Reads a checkpoint's tensors onto the device in the model's layout: dtype for norms, biases and wide
+    matrices, fused FP8 (weight, scale) pairs for linears stored in FP8 or quantized on load."""
+
+    def __init__(self, ckpt: _Checkpoint, dtype, device, quant: CheckpointQuantization | None, quantize: bool):
+        self._ckpt, self._dtype, self._device = ckpt, dtype, device
+        self._quant, self._quantize = quant, quantize
+        self.requantized: list[str] = []  # fused FP8 weights requantized per block (logged once)
+
+    def put(self, name: str, required: bool = True) -> torch.Tensor | None:
+        t = self._ckpt.get(name) if required else self._ckpt.maybe(name)
         if t is None:
             return None
         if t.dtype.itemsize == 1:
             raise ValueError(f"{name} is stored as {t.dtype}; only linear weights are read quantized")
-        return t.to(dtype=dtype).to(device).contiguous()
+        return t.to(dtype=self._dtype).to(self._device).contiguous()
 
-    def cat_biases(names: list[str]) -> torch.Tensor | None:
-        if not all(ckpt.has(n) for n in names):
-            if any(ckpt.has(n) for n in names):
+    def cat_biases(self, names: list[str]) -> torch.Tensor | None:
+        if not all(self._ckpt.has(n) for n in names):
+            if any(self._ckpt.has(n) for n in names):
                 raise ValueError(f"checkpoint has only some of {names}")
             return None
-        return torch.cat([put(n) for n in names], dim=0)
+        return torch.cat([self.put(n) for n in names], dim=0)
 
-    def wide(name: str) -> torch.Tensor:
+    def wide(self, name: str) -> torch.Tensor:
         """A matrix kept in dtype; an FP8 one (e.g. an LM head a checkpoint did not leave out) is dequantized."""
-        w = read_linear(ckpt, name, quant)
+        w = read_linear(self._ckpt, name, self._quant)
         if isinstance(w, FP8Weight):
-            w = w.to(device)
-            return fp8.dequantize(w.weight, w.scale, dtype)
-        return w.to(dtype=dtype).to(device).contiguous()
+            w = w.to(self._device)
+            return fp8.dequantize(w.weight, w.scale, self._dtype)
+        return w.to(dtype=self._dtype).to(self._device).contiguous()
 
-    def linear(names: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def linear(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """These linears fused along N: (weight (N, K), its scales or None)."""
-        parts = [read_linear(ckpt, n, quant) for n in names]
+        parts = [read_linear(self._ckpt, n, self._quant) for n in names]
         stored = [p for p in parts if isinstance(p, FP8Weight)]
         if stored and len(stored) != len(parts):
             raise ValueError(f"checkpoint stores only some of {names} in FP8; a fused weight must be all one kind")
         if stored:
             fused, again = fuse(stored, names)
             if again:
-                requantized.append("+".join(n.rsplit(".", 1)[-1] for n in names))
-            fused = fused.to(device)
+                self.requantized.append("+".join(n.rsplit(".", 1)[-1] for n in names))
+            fused = fused.to(self._device)
             return fused.weight, fused.scale
         w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # (N, K) in the checkpoint's dtype
-        if quantize:  # from the checkpoint's own values, the wide copy on the device one weight at a time
-            q = quantize_on_device(w, device)
+        if self._quantize:  # from the checkpoint's own values, the wide copy on the device one weight at a time
+            q = quantize_on_device(w, self._device)
             return q.weight, q.scale
-        return w.to(dtype=dtype).to(device).contiguous(), None
+        return w.to(dtype=self._dtype).to(self._device).contiguous(), None
 
-    layers = []
-    for i in range(spec.num_layers):
+    def layer(self, i: int, spec: ModelSpec) -> LayerWeights:
         p = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv = [attn + f"{x}_proj" for x in "qkv"]
         gate_up = [mlp + "gate_proj", mlp + "up_proj"]
-        qkv_weight, qkv_scale = linear(qkv)
-        o_weight, o_scale = linear([attn + "o_proj"])
-        gate_up_weight, gate_up_scale = linear(gate_up)
-        down_weight, down_scale = linear([mlp + "down_proj"])
-        layers.append(
-            LayerWeights(
-                qkv_weight=qkv_weight,
-                qkv_bias=cat_biases([n + ".bias" for n in qkv]),
-                o_weight=o_weight,
-                o_bias=put(attn + "o_proj.bias", required=False),
-                gate_up_weight=gate_up_weight,
-                gate_up_bias=cat_biases([n + ".bias" for n in gate_up]),
-                down_weight=down_weight,
-                down_bias=put(mlp + "down_proj.bias", required=False),
-                input_norm=put(p + "input_layernorm.weight"),
-                post_norm=put(p + "post_attention_layernorm.weight"),
-                q_norm=put(attn + "q_norm.weight") if spec.model_type == "qwen3" else None,
-                k_norm=put(attn + "k_norm.weight") if spec.model_type == "qwen3" else None,
-                qkv_scale=qkv_scale,
-                o_scale=o_scale,
-                gate_up_scale=gate_up_scale,
-                down_scale=down_scale,
-            )
+        qkv_weight, qkv_scale = self.linear(qkv)
+        o_weight, o_scale = self.linear([attn + "o_proj"])
+        gate_up_weight, gate_up_scale = self.linear(gate_up)
+        down_weight, down_scale = self.linear([mlp + "down_proj"])
+        qk_norms = spec.model_type == "qwen3"
+        return LayerWeights(
+            qkv_weight=qkv_weight, qkv_bias=self.cat_biases([n + ".bias" for n in qkv]), qkv_scale=qkv_scale,
+            o_weight=o_weight, o_bias=self.put(attn + "o_proj.bias", required=False), o_scale=o_scale,
+            gate_up_weight=gate_up_weight, gate_up_bias=self.cat_biases([n + ".bias" for n in gate_up]),
+            gate_up_scale=gate_up_scale,
+            down_weight=down_weight, down_bias=self.put(mlp + "down_proj.bias", required=False),
+            down_scale=down_scale,
+            input_norm=self.put(p + "input_layernorm.weight"),
+            post_norm=self.put(p + "post_attention_layernorm.weight"),
+            q_norm=self.put(attn + "q_norm.weight") if qk_norms else None,
+            k_norm=self.put(attn + "k_norm.weight") if qk_norms else None,
         )
-    if requantized:
-        logger.warning("%d fused FP8 weights (%s) were requantized per 128 x 128 block: their parts' rows are not "
-                       "multiples of 128, so the fused blocks would straddle two parts' scales; they differ from the "
-                       "checkpoint by up to one more e4m3 rounding", len(requantized),
-                       ", ".join(sorted(set(requantized))))
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    return dict(
-        embed=wide("embed_tokens"),
-        layers=layers,
-        final_norm=put("norm.weight"),
-        lm_head=None if tied else wide("lm_head"),
-    )

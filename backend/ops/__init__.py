@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from backend.ops.torch import layers as _torch_layers
-from backend.ops.torch.attention import AttentionMetadata, paged_attention as _torch_paged_attention
+from backend.ops.attention_metadata import AttentionMetadata
+from backend.ops.torch.attention import paged_attention as _torch_paged_attention
 
 logger = logging.getLogger(__name__)
 

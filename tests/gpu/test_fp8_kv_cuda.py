@@ -1,5 +1,5 @@
 """The engine with an FP8 KV cache on CUDA: the greedy tokens of transformers reading the same e4m3-rounded K/V
-(tests/unit/test_fp8_kv_cache.py's reference), on the torch and the Triton path, eager and sync, and with graphs
+(tests/unit/models/test_fp8_kv_cache.py's reference), on the torch and the Triton path, eager and sync, and with graphs
 and the async pipeline (the fused rope decode kernel, splits, kv_scale read by captured kernels)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from backend import Engine, EngineConfig, SamplingParams
 from backend.models import load_model
 from backend.ops import fp8
 from tests.tiny_models import build_tiny, kv_blocks_used_after_settling, random_prompts, word_tokenizer
-from tests.unit.test_fp8_kv_cache import LAYER_SCALES, hf_greedy_e4m3, with_kv_scales
+from tests.unit.models.test_fp8_kv_cache import LAYER_SCALES, hf_greedy_e4m3, with_kv_scales
 
 pytestmark = pytest.mark.gpu
 

@@ -137,7 +137,7 @@ def test_engine_thread_death_is_detected(tmp_path):
         def die() -> None:
             raise SystemExit("test: the loop thread dies")  # not an Exception: _recover cannot catch it
 
-        engine._step = die  # test-only path into the loop thread
+        engine.loop._step = die  # test-only path into the loop thread
         stream = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
         final = stream.result()
         assert final.finished and final.finish_reason == "error" and "loop died" in final.error

@@ -31,7 +31,7 @@ from backend.ops.triton import attention as ta  # noqa: E402
 from backend.ops.triton import buffers as tbuf  # noqa: E402
 from backend.ops.triton import layers as tly  # noqa: E402
 from tests.kernels.test_kernels import (Case, _contexts, _cos_sin_cache, _poison, _qkv_views,  # noqa: E402
-                                        rel_err)
+                                        rel_err, rope_step_inputs)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -238,15 +238,7 @@ def test_rope_decode_over_fp8_cache(scales, num_splits, parked):
     rng = random.Random(num_splits)
     ctx_lens = [1, 2, 17, 130] + _contexts(2, rng, MAX_CTX)
     case = fp8_case([(c - 1, 1) for c in ctx_lens], hq, hkv, d, bs, dtype, rng.randint(0, 10**6), scales)
-    t = case.q.shape[0]
-    g = torch.Generator().manual_seed(num_splits)
-    if parked:
-        qkv = PartialSums(torch.randn(3, t, (hq + 2 * hkv) * d, generator=g).to(DEVICE), dtype)
-    else:
-        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEVICE)
-    q, k, v = _qkv_views(qkv, t, hq, hkv, d)
-    cos_sin = _cos_sin_cache(MAX_CTX + 1, d).to(DEVICE)
-    pos = (case.meta.seq_lens - 1).long()
+    q, k, v, cos_sin, pos = rope_step_inputs(case, hq, hkv, d, dtype, num_splits, parked)
     caches = [case.cache.clone() for _ in range(2)]
     q_rot = tly.rope_write_kv(q, k, v, pos, cos_sin, caches[0], case.meta.slot_mapping, kv_scale=case.kv_scale)
     want = ta.decode_attention(q_rot, caches[0], case.meta, case.scale, num_splits=num_splits,

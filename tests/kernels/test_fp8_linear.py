@@ -37,6 +37,7 @@ from backend.ops.triton import fp8_linear as f8  # noqa: E402
 from backend.ops.triton import layers as tly  # noqa: E402
 from backend.ops.triton import linear as tlin  # noqa: E402
 from backend.ops.tuning import LinearConfig, TuningTables  # noqa: E402
+from tests.kernels.test_kernels import _poison, rel_err  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -45,21 +46,9 @@ DECODE_TOL, GATED_TOL, PREFILL_TOL, QUANTIZED_X_TOL = 5e-3, 1e-2, 5e-3, 5e-2
 LAYOUTS = ["channel", "block"]
 
 
-def _poison(shape, dtype, device):
-    fill = float("nan") if dtype.is_floating_point else -(2 ** 31)
-    return torch.full(shape, fill, dtype=dtype, device=device)
-
-
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
     monkeypatch.setattr(tbuf, "alloc", _poison)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.double().cpu()
-    ref = ref.double().cpu()
-    assert not torch.isnan(out).any(), "NaN in output (unwritten element or out-of-range read)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _weight(n: int, k: int, layout: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -789,6 +789,19 @@ ROPE_DECODE_CASES = [  # (hq, hkv, head_dim, block_size, dtype, num_splits)
 ]
 
 
+def rope_step_inputs(case, hq: int, hkv: int, d: int, dtype, seed: int, parked: bool):
+    """A decode step's inputs for a rope + KV write kernel: q, k, v as views of a fresh qkv GEMM output (or of its
+    parked partial sums), the rotary cache, and each sequence's new position."""
+    t = case.q.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    if parked:
+        qkv = PartialSums(torch.randn(3, t, (hq + 2 * hkv) * d, generator=g).to(DEVICE), dtype)
+    else:
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEVICE)
+    q, k, v = _qkv_views(qkv, t, hq, hkv, d)
+    return q, k, v, _cos_sin_cache(MAX_CTX + 1, d).to(DEVICE), (case.meta.seq_lens - 1).long()
+
+
 @pytest.mark.parametrize("parked", [False, True])
 @pytest.mark.parametrize("hq,hkv,d,bs,dtype,num_splits", ROPE_DECODE_CASES)
 def test_rope_decode_attention_equals_rope_write_kv_then_decode(hq, hkv, d, bs, dtype, num_splits, parked):
@@ -799,14 +812,7 @@ def test_rope_decode_attention_equals_rope_write_kv_then_decode(hq, hkv, d, bs, 
     ctx_lens = [1, 2, 17, 130] + _contexts(3, rng, MAX_CTX)
     case = Case([(c - 1, 1) for c in ctx_lens], hq, hkv, d, bs, dtype, seed=rng.randint(0, 10**6))
     t = case.q.shape[0]
-    g = torch.Generator().manual_seed(num_splits)
-    if parked:
-        qkv = PartialSums(torch.randn(3, t, (hq + 2 * hkv) * d, generator=g).to(DEVICE), dtype)
-    else:
-        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEVICE)
-    q, k, v = _qkv_views(qkv, t, hq, hkv, d)
-    cos_sin = _cos_sin_cache(MAX_CTX + 1, d).to(DEVICE)
-    pos = (case.meta.seq_lens - 1).long()
+    q, k, v, cos_sin, pos = rope_step_inputs(case, hq, hkv, d, dtype, num_splits, parked)
     caches = [case.cache.clone() for _ in range(2)]
     q_rot = tly.rope_write_kv(q, k, v, pos, cos_sin, caches[0], case.meta.slot_mapping)
     want = ta.decode_attention(q_rot, caches[0], case.meta, case.scale, num_splits=num_splits)

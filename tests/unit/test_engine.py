@@ -511,7 +511,7 @@ def test_final_only_requests_send_one_event_each_and_keep_their_tokens_when_cut_
     worker = threading.Thread(target=lambda: got.update(outs=engine.generate(prompts, greedy(300))))
     worker.start()
     deadline = time.monotonic() + 30
-    while engine._steps < 8 and time.monotonic() < deadline:
+    while engine.loop.steps < 8 and time.monotonic() < deadline:
         time.sleep(0.005)
     engine.shutdown()
     worker.join(30)

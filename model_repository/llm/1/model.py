@@ -28,6 +28,7 @@ from numpy_compat import hide_packages_needing_numpy2  # noqa: E402
 HIDDEN_FOR_NUMPY1 = hide_packages_needing_numpy2()  # before transformers is imported: see numpy_compat
 
 from backend import Engine, EngineConfig, EngineDead, EngineOverloaded  # noqa: E402
+from adapter_flags import adapter_flags  # noqa: E402
 from metrics import ServingMetrics  # noqa: E402
 from protocol import parse_request  # noqa: E402
 from drain import Drain, held_marker  # noqa: E402
@@ -83,19 +84,19 @@ class TritonPythonModel:
         adapter = {k: settings.pop(k) for k in ADAPTER_SETTINGS if k in settings}
         if args.get("model_instance_kind") == "GPU" and settings.get("device", "auto") == "auto":
             settings["device"] = f"cuda:{args['model_instance_device_id']}"  # KIND_GPU: one engine per GPU
+        flags = adapter_flags(adapter)  # before the engine starts: a typo fails the load with nothing to stop
         try:
             self.engine = Engine(EngineConfig.from_dict(settings).validate())
         except ValueError as err:
             raise ValueError(f"config.pbtxt parameters: {err}") from None
-        self._log_prompts = _truthy(adapter.get("log_prompts", "false"))
+        self._log_prompts = flags["log_prompts"]
         self._closing = False
         self._ids = itertools.count()
         instance = _instance_label(args)
-        vllm_series = self.engine.max_model_len if _truthy(adapter.get("REPORT_CUSTOM_METRICS", "false")) else None
+        vllm_series = self.engine.max_model_len if flags["REPORT_CUSTOM_METRICS"] else None
         metrics = ServingMetrics(args["model_name"], args["model_version"], instance, vllm_max_model_len=vllm_series)
         self._model_name = args["model_name"]
-        unload = adapter.get("ENABLE_VLLM_HEALTH_CHECK", adapter.get("unload_on_engine_failure", "true"))
-        self._unload_on_failure = _truthy(unload) and _instances(config) == 1
+        self._unload_on_failure = flags["unload_on_engine_failure"] and _instances(config) == 1
         self.loop = ResponseLoop(self.engine, metrics, float(adapter.get("stats_interval_s", "0.5")),
                                  on_engine_dead=self._engine_dead)
         self.loop.start()
@@ -282,10 +283,6 @@ def _seconds(text: str | None, default: float, name: str) -> float:
     if not value >= 0:
         raise ValueError(f"config.pbtxt parameters: {name} must be >= 0, got {text!r}")
     return value
-
-
-def _truthy(text: str) -> bool:
-    return text.strip().lower() in ("1", "true", "yes", "on")
 
 
 def _instance_label(args: dict) -> str:

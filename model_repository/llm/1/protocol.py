@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.request import SamplingParams
+from backend.text_values import parse_bool
 from vllm_compat import translate_vllm_keys
 
 RETURN_FLAGS = (
@@ -156,11 +157,7 @@ def _coerce(key: str, value: Any) -> Any:
     except ValueError:
         raise ValueError(f"{key} must be a number, got {value!r}") from None
     if key in _BOOL_FIELDS:
-        if text.lower() in ("true", "1", "yes"):
-            return True
-        if text.lower() in ("false", "0", "no"):
-            return False
-        raise ValueError(f"{key} must be true or false, got {value!r}")
+        return parse_bool(key, value)
     return value
 
 

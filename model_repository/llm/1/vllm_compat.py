@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from backend.text_values import bool_word
+
 # keys whose only value Tandem honours is the one vLLM defaults to
 _DEFAULT_ONLY = {"detokenize": True, "spaces_between_special_tokens": True}
 _STRUCTURED = ("structured_outputs", "guided_decoding")
-_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
 def translate_vllm_keys(values: dict[str, Any]) -> dict[str, Any]:
@@ -36,7 +37,7 @@ def translate_vllm_keys(values: dict[str, Any]) -> dict[str, Any]:
         del out["truncate_prompt_tokens"]
     top = out.pop("top_logprobs", None)
     if "logprobs" in out:
-        wanted = _as_bool(out["logprobs"])
+        wanted = bool_word(out["logprobs"])
         if wanted is not None:
             if wanted:
                 out["logprobs"] = _integer(top if top is not None else 0, "top_logprobs")
@@ -50,22 +51,9 @@ def translate_vllm_keys(values: dict[str, Any]) -> dict[str, Any]:
         if out.pop(key, None) is not None:
             raise ValueError(f"{key}: structured outputs (JSON schema, regex, grammar, choice) are not supported yet")
     for key, default in _DEFAULT_ONLY.items():
-        if key in out and _as_bool(out.pop(key)) is not default:
+        if key in out and bool_word(out.pop(key)) is not default:
             raise ValueError(f"{key}: only {str(default).lower()} is supported")
     return out
-
-
-def _as_bool(value: Any) -> bool | None:
-    """True / False for a JSON boolean or its string spelling; None for anything else."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-    return None
 
 
 def _integer(value: Any, key: str) -> int:

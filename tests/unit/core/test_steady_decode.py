@@ -365,7 +365,8 @@ def test_plain_greedy_rows_of_a_step_are_packed_as_neutral_greedy_rows_without_r
     from backend.core.scheduler import ScheduledBatch
     from backend.executor import packer as packer_module
     from backend.executor import sampler
-    from backend.executor.packer import SlotPacker, StepState
+    from backend.executor.packer import SlotPacker
+    from backend.step_records import StepState
     from backend.executor.pipeline import Pipeline, SlotLayout
     from backend.request import Request
     from backend.runtime.timeline import Timeline

@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from backend.request import SamplingParams
-from backend.executor.sampler import Sampler, SamplingBuffers, SamplingTensors, apply_penalties, exponential_noise
+from backend.executor.sampler import Sampler, apply_penalties, exponential_noise
+from tests.sampling_helpers import SamplingBuffers, sampling_tensors_from_params
 
 
 def build(params, logits_rows, seeds=None, steps=None, prompts=None, outputs=None):
     n = len(params)
     seeds = list(range(n)) if seeds is None else seeds
     steps = [0] * n if steps is None else steps
-    st = SamplingTensors.from_params(params, seeds, steps, "cpu", prompts, outputs)
+    st = sampling_tensors_from_params(params, seeds, steps, "cpu", prompts, outputs)
     return Sampler()(logits_rows, st), st
 
 
@@ -174,7 +175,7 @@ def test_sampler_reads_nothing_back_to_the_host(monkeypatch):
     busy = SamplingParams(temperature=0.9, top_k=10, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
                           presence_penalty=0.1, frequency_penalty=0.1, logprobs=2)
     params = [busy, SamplingParams(temperature=0)] * 3
-    st = SamplingTensors.from_params(params, list(range(6)), [4] * 6, "cpu", [[1, 2]] * 6, [[3, 3]] * 6)
+    st = sampling_tensors_from_params(params, list(range(6)), [4] * 6, "cpu", [[1, 2]] * 6, [[3, 3]] * 6)
     sampler = Sampler()
 
     def forbidden(*args, **kwargs):
@@ -198,7 +199,7 @@ def test_preallocated_buffers_keep_addresses_and_pad_greedy_rows():
     assert second.top_k.dtype == torch.int32 and second.seeds.tolist() == [4, 5, 0, 0]
     assert not second.any_top_k and first.any_top_k
     logits = random_logits(4, seed=8)
-    fresh = SamplingTensors.from_params([SamplingParams(temperature=0.9)] * 2, [4, 5], [3, 4], "cpu")
+    fresh = sampling_tensors_from_params([SamplingParams(temperature=0.9)] * 2, [4, 5], [3, 4], "cpu")
     assert torch.equal(Sampler()(logits, second).token_ids[:2], Sampler()(logits[:2], fresh).token_ids)
 
 
@@ -254,10 +255,10 @@ def test_request_columns_equal_the_host_rows_and_their_bits_the_flags():
 
 def test_bad_input_raises_value_error():
     with pytest.raises(ValueError):
-        SamplingTensors.from_params([SamplingParams()], [1, 2], [0], "cpu")
+        sampling_tensors_from_params([SamplingParams()], [1, 2], [0], "cpu")
     with pytest.raises(ValueError):
-        SamplingTensors.from_params([SamplingParams(repetition_penalty=1.5)], [1], [0], "cpu")
-    st = SamplingTensors.from_params([SamplingParams()], [1], [0], "cpu")
+        sampling_tensors_from_params([SamplingParams(repetition_penalty=1.5)], [1], [0], "cpu")
+    st = sampling_tensors_from_params([SamplingParams()], [1], [0], "cpu")
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, 10), st)
     with pytest.raises(ValueError):
@@ -286,7 +287,7 @@ def test_cuda_matches_cpu_and_never_synchronises():
     cuda_noise = exponential_noise(torch.tensor(seeds).cuda(), torch.tensor(steps).cuda(),
                                    Sampler().vocab_hash(4096, "cuda"))
     torch.testing.assert_close(cuda_noise.cpu(), cpu_noise, rtol=1e-6, atol=0)  # same hash bits, log within an ulp
-    cpu = Sampler()(logits, SamplingTensors.from_params(params, seeds, steps, "cpu")).token_ids
+    cpu = Sampler()(logits, sampling_tensors_from_params(params, seeds, steps, "cpu")).token_ids
     buffers, sampler = SamplingBuffers(128, "cuda"), Sampler()
     sampler.vocab_hash(4096, torch.device("cuda"))
     device_logits = logits.cuda()

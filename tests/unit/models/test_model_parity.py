@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from backend.models import load_model, resolve_model_path
-from backend.ops.torch.attention import AttentionMetadata
+from backend.ops.attention_metadata import AttentionMetadata
 
 ATOL = 1e-4
 VOCAB = 128

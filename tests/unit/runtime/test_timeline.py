@@ -202,13 +202,13 @@ def test_engine_stats_carry_the_recent_gpu_busy_fraction_with_the_timeline_on(tm
     tl._add_gpu_span(Span("gpu", "compute", 0.0, 1.0, 0, True))
     tl._add_gpu_span(Span("gpu", "compute", 1.0, 3.0, 0, False))
     clock[0] = 8.0
-    engine._steps = 512
-    engine._refresh_stats()
+    engine.loop.steps = 512
+    engine.loop.refresh_stats()
     assert (engine.stats()["gpu_busy_fraction"], engine.stats()["gpu_busy_uncertain_fraction"]) == (0.125, 0.25)
     tl._add_gpu_span(Span("gpu", "compute", 8.0, 9.0, 1, False))
     clock[0] = 10.0
-    engine._steps = 513
-    engine._refresh_stats()
+    engine.loop.steps = 513
+    engine.loop.refresh_stats()
     assert (engine.stats()["gpu_busy_fraction"], engine.stats()["gpu_busy_uncertain_fraction"]) == (0.125, 0.25)
 
 

@@ -1,0 +1,48 @@
+"""From a caller's prompt and settings to the Requests of its samples, on the caller's thread: validated, ids
+reserved, seeded, the prompt's KV blocks prepared, so the loop does none of it."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from backend.admission import Admission
+from backend.config import EngineConfig
+from backend.request import Request, SamplingParams
+from backend.request_registry import RequestIds
+
+
+class RequestIntake:
+    """Validates requests and builds their samples; thread-safe (the ids are reserved under RequestIds' lock)."""
+
+    def __init__(self, config: EngineConfig, tokenizer, spec, max_model_len: int, block_manager):
+        self.admission = Admission(tokenizer, spec.vocab_size, max_model_len, config,
+                                   block_manager.num_usable_blocks * block_manager.block_size)
+        self.ids = RequestIds(config.max_waiting_requests + config.max_num_seqs,
+                              f"{config.max_waiting_requests} waiting + {config.max_num_seqs} running")
+        self._seed = config.seed
+        self._eos = frozenset(spec.eos_token_ids)
+        self._blocks = block_manager
+        self._counter = itertools.count()
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._counter)}"
+
+    def samples(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
+                stream_outputs: bool) -> list[Request]:
+        """The n samples of one request; the first holds the others as its forks (they join the scheduler with
+        its prompt's KV blocks). ValueError for bad input or an id in use, EngineOverloaded when the queue is full."""
+        token_ids = self.admission.prompt_ids(prompt, params)
+        bad_words = self.admission.bad_word_ids(params.bad_words)
+        samples: list[Request] = []
+        for index, sample_id in enumerate(self.ids.reserve(request_id, params.n)):
+            if params.seed is not None:
+                seed = params.seed + index  # samples of one seeded request differ, and repeat run to run
+            else:
+                seed = (self._seed * 1_000_003 + hash(sample_id)) & 0x7FFFFFFF
+            req = Request(sample_id, token_ids, params, seed, self._eos, group_id=request_id, sample_index=index,
+                          bad_word_ids=bad_words)
+            req.final_only = not stream_outputs and not params.stop and params.logprobs is None
+            self._blocks.prepare_prompt(req, like=samples[0] if samples else None)
+            samples.append(req)
+        samples[0].forks = samples[1:]
+        return samples
