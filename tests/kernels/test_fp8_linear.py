@@ -226,16 +226,17 @@ def test_fp8_linear_falls_back_to_the_torch_reference(monkeypatch):
 
 
 def test_choose_config_rules():
-    """The rule: 64 W rows per program, fewer where that leaves SMs idle; K steps that divide K, at most 128 with
-    block scales; the gated rule 128 rows of both halves, at least 32."""
+    """The rule: 64 W rows per program, fewer where that leaves SMs idle; K steps of 128 (64 where K needs), K cut in
+    4 for per-channel scales where K holds whole runs; the gated rule 128 rows of both halves, at least 32."""
     for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (10240, 8192), (8192, 28672)]:
         for block in (False, True):
             cfg = f8.choose_config(n, k, 132, block)
-            assert n // cfg.block_n >= 132 or cfg.block_n == 16
+            assert (n // cfg.block_n) * cfg.split_k >= 132 or cfg.block_n == 16
+            assert k % (cfg.block_k * cfg.split_k) == 0 and (cfg.split_k == 1 or not block)
             assert k % cfg.block_k == 0 and (not block or cfg.block_k <= 128)
-    assert f8.choose_config(4096, 4096, 132) == LinearConfig(16, 256)
+    assert f8.choose_config(4096, 4096, 132) == LinearConfig(64, 128, split_k=4)
     assert f8.choose_config(576, 200, 132, True) == LinearConfig(16, 64)
-    assert f8.choose_gated_config(28672, 4096, 132) == LinearConfig(128, 256)
+    assert f8.choose_gated_config(28672, 4096, 132) == LinearConfig(128, 128)
     assert f8.choose_gated_config(57344, 8192, 132, True) == LinearConfig(128, 128)
     assert f8.choose_gated_config(400, 512, 132).block_n == 32
 
