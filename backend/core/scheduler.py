@@ -108,29 +108,13 @@ class Scheduler:
         sb.retire_rows_at_length_limit()  # after: a joiner that sampled its last token leaves at once
         if not len(sb):
             return None
-        bm, bs = self.block_manager, self.block_manager.block_size
-        needing = sb.rows_needing_block()
-        if needing.size:
-            requests = sb.requests
-            blocks = bm.append_one_block_each([requests[row] for row in needing.tolist()])
-            if blocks is None:  # too few free: as many rows as can take one, then the general path preempts
-                for row in needing.tolist():
-                    sb.sync(requests[row])  # allocate_slots reads its token count
-                    if not bm.allocate_slots(requests[row], 1):
-                        return None  # blocks taken so far stay with their requests
-                    sb.add_block(row, requests[row].block_ids[-1])
-            else:
-                sb.add_blocks(needing, blocks)
+        if not self._give_rows_blocks(sb):
+            return None
         budget = self.max_num_batched_tokens - len(sb)
-        tail: list[tuple[Request, int]] = []  # joiners' chunks, sized and given blocks before anything is counted
-        for req in sb.joiners:
-            n = self._tokens_to_feed(req, budget)
-            if not n:
-                continue
-            if req.num_computed_tokens + n > len(req.block_ids) * bs and not bm.allocate_slots(req, n):
-                return None
-            tail.append((req, n))
-            budget -= n
+        tail = self._joiner_chunks(sb, budget)
+        if tail is None:
+            return None
+        budget -= sum(k for _, k in tail)
         step_id = self._next_step_id
         self._next_step_id += 1
         sb.advance(step_id)
@@ -142,6 +126,40 @@ class Scheduler:
         self._admit_waiting(batch, budget)  # admitted requests become joiners of the run
         self.num_steady_steps += 1
         return batch
+
+    def _give_rows_blocks(self, sb: SteadyBatch) -> bool:
+        """A new KV block for each row whose next token starts one; False when too few are free (the rows that
+        could take one keep it, and the general path, which preempts, must decide)."""
+        bm = self.block_manager
+        needing = sb.rows_needing_block()
+        if not needing.size:
+            return True
+        requests = sb.requests
+        blocks = bm.append_one_block_each([requests[row] for row in needing.tolist()])
+        if blocks is not None:
+            sb.add_blocks(needing, blocks)
+            return True
+        for row in needing.tolist():  # too few free at once: one by one, as many rows as can take one
+            sb.sync(requests[row])  # allocate_slots reads its token count
+            if not bm.allocate_slots(requests[row], 1):
+                return False  # blocks taken so far stay with their requests
+            sb.add_block(row, requests[row].block_ids[-1])
+        return True
+
+    def _joiner_chunks(self, sb: SteadyBatch, budget: int) -> list[tuple[Request, int]] | None:
+        """The joiners' prefill chunks that fit the token budget, each given its KV blocks before anything is
+        counted; None when blocks ran out."""
+        bm, bs = self.block_manager, self.block_manager.block_size
+        tail: list[tuple[Request, int]] = []
+        for req in sb.joiners:
+            n = self._tokens_to_feed(req, budget)
+            if not n:
+                continue
+            if req.num_computed_tokens + n > len(req.block_ids) * bs and not bm.allocate_slots(req, n):
+                return None
+            tail.append((req, n))
+            budget -= n
+        return tail
 
     def _maybe_start_steady(self, batch: ScheduledBatch) -> None:
         """Two general steps in a row fed one token to every running request, each sampled: keep them as arrays."""

@@ -58,13 +58,7 @@ def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: 
     ops = get_ops(attention_backend, linear_backend, dependent_launch)
     # a pre-quantized checkpoint's own choice of the layers it leaves wide (its ignore list) stands
     quantize = quantization == "fp8" and quant is None
-    if is_random_checkpoint(folder):
-        weights = random_weights(folder, config, spec, dtype, device, quantize=quantize)
-        kv_scales = [None] * spec.num_layers
-    else:
-        with _Checkpoint(folder) as ckpt:
-            weights = _load_weights(ckpt, config, spec, dtype, device, quant, quantize)
-            kv_scales = [read_kv_scales(ckpt, f"layers.{i}.self_attn.") for i in range(spec.num_layers)]
+    weights, kv_scales = _read_weights(folder, config, spec, dtype, device, quant, quantize)
     if kv_cache_dtype == "fp8":
         _set_kv_scales(weights["layers"], kv_scales, device)
     cos_sin = build_cos_sin_cache(config, spec.model_type, spec.head_dim, device)
@@ -73,6 +67,16 @@ def load_model(path: str, dtype=torch.float32, device="cpu", attention_backend: 
     logger.info("loaded %s (%d layers, %s, %s, KV cache %s) from %s with %s ops",
                 spec.model_type, spec.num_layers, dtype, linears, kv_cache_dtype, path, ops.name)
     return model.eval()
+
+
+def _read_weights(folder: Path, config, spec, dtype, device, quant, quantize: bool) -> tuple[dict, list]:
+    """The model's weights (random ones drawn on the device for a random checkpoint) and each layer's
+    checkpoint KV scales (None where it holds none)."""
+    if is_random_checkpoint(folder):
+        return random_weights(folder, config, spec, dtype, device, quantize=quantize), [None] * spec.num_layers
+    with _Checkpoint(folder) as ckpt:
+        weights = _load_weights(ckpt, config, spec, dtype, device, quant, quantize)
+        return weights, [read_kv_scales(ckpt, f"layers.{i}.self_attn.") for i in range(spec.num_layers)]
 
 
 def _set_kv_scales(layers: list[LayerWeights], found: list[tuple[float, float] | None], device) -> None:

@@ -57,6 +57,20 @@ class _Staged:
     needs: bool = False  # there is new text to decode
 
 
+
+def _by_request(events: list[StepEvent]) -> dict[str, list]:
+    """A batch's events grouped by request, in arrival order; plain tokens stay (request_id, token) tuples (no
+    StepEvent per token)."""
+    groups: dict[str, list] = {}
+    for ev in events:
+        rid = ev[0] if type(ev) is tuple else ev.request_id
+        group = groups.get(rid)
+        if group is None:
+            groups[rid] = [ev]
+        else:
+            group.append(ev)
+    return groups
+
 class OutputProcessor:
     """A worker thread that detokenizes, applies stop strings and delivers outputs to each request's sink."""
 
@@ -124,32 +138,14 @@ class OutputProcessor:
         """One output per request for all of its events in this batch (a lagging consumer gets bigger deltas,
         not more of them), decoded once; requests with stop strings go token by token, so the stop ends the
         request at the token that completed it whatever the batch holds."""
-        # plain tokens stay (request_id, token) tuples: no StepEvent per token
-        groups: dict[str, list] = {}
-        for ev in events:
-            rid = ev[0] if type(ev) is tuple else ev.request_id
-            group = groups.get(rid)
-            if group is None:
-                groups[rid] = [ev]
-            else:
-                group.append(ev)
         staged: list[_Staged] = []
-        for n, (request_id, group) in enumerate(groups.items()):
+        for n, (request_id, group) in enumerate(_by_request(events).items()):
             if n % _REQUESTS_PER_PASS == 0:
                 self._gate.yield_to_loop()  # the engine loop's CPU work goes first
             try:
-                with self._lock:
-                    state = self._states.get(request_id)
-                if state is None:
-                    continue  # already finished (e.g. by a stop string): later tokens are dropped
-                if state.detok.has_stop_strings and not state.final_only:
-                    for ev in group:
-                        item = self._stage(state, [ev])
-                        self._emit(item, state.detok.decode_windows() if item.needs else None)
-                        if state.released:
-                            break
-                    continue
-                staged.append(self._stage(state, group))
+                item = self._stage_group(request_id, group)
+                if item is not None:
+                    staged.append(item)
             except Exception:  # one request's bad output must not stop the others
                 log.exception("output processing failed for %s", request_id)
                 self._deliver_final(request_id, "error", "output processing failed")
@@ -162,6 +158,22 @@ class OutputProcessor:
             except Exception:
                 log.exception("output processing failed for %s", item.state.request.request_id)
                 self._deliver_final(item.state.request.request_id, "error", "output processing failed")
+
+    def _stage_group(self, request_id: str, group: list) -> _Staged | None:
+        """One request's events of this batch staged for the batched decode; None when there is nothing left to
+        stage: the request finished already, or it has stop strings and its events were emitted one by one."""
+        with self._lock:
+            state = self._states.get(request_id)
+        if state is None:
+            return None  # already finished (e.g. by a stop string): later tokens are dropped
+        if state.detok.has_stop_strings and not state.final_only:
+            for ev in group:
+                item = self._stage(state, [ev])
+                self._emit(item, state.detok.decode_windows() if item.needs else None)
+                if state.released:
+                    break
+            return None
+        return self._stage(state, group)
 
     def _decode_batch(self, detoks: list[IncrementalDetokenizer]) -> list[tuple[str, str]]:
         """Both windows of every request in one call per skip flag; the Rust batch decode runs without the GIL,

@@ -48,7 +48,6 @@ def paged_attention(
     _, _, bs, hkv, _ = kv_cache_layer.shape
     if hq % hkv:
         raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
-    group = hq // hkv
     bsz = meta.block_tables.shape[0]
     qmax = meta.max_query_len
 
@@ -60,24 +59,39 @@ def paged_attention(
         k_ctx = fp8.dequantize_kv(k_ctx, kv_scale[0], q.dtype)
         v_ctx = fp8.dequantize_kv(v_ctx, kv_scale[1], q.dtype)
 
+    allowed, v_ctx = _causal_mask(meta, key_pos, qmax, v_ctx)
+    out = _grouped_attention(q_pad, k_ctx, v_ctx, allowed, scale, hkv)  # (B, Qmax, Hq, D)
+    return out[seq_idx, row]  # (T, Hq, D)
+
+
+def _causal_mask(meta: AttentionMetadata, key_pos: torch.Tensor, qmax: int,
+                 v_ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which context keys each padded query row may see (B, Qmax, L): causal, inside its sequence; and v_ctx with
+    the values past each sequence's end zeroed."""
     seq_lens = meta.seq_lens.long()  # (B,)
     q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()  # (B,)
-    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(qmax, device=q.device)  # (B, Qmax)
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(qmax, device=key_pos.device)  # (B, Qmax)
     # causal, inside the sequence; a padded query row still sees position 0, so no row is fully masked
     allowed = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
     # blocks past seq_len may hold garbage (even NaN from torch.empty); 0 * NaN would leak through the PV product
     in_seq = (key_pos[None, :] < seq_lens[:, None])[:, :, None, None]  # (B, L, 1, 1)
     v_ctx = torch.where(in_seq, v_ctx, torch.zeros((), dtype=v_ctx.dtype, device=v_ctx.device))
+    return allowed, v_ctx
 
-    qg = q_pad.view(bsz, qmax, hkv, group, d).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, Qmax, D)
+
+def _grouped_attention(q_pad: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, allowed: torch.Tensor,
+                       scale: float, hkv: int) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for padded queries (B, Qmax, Hq, D) over gathered keys and values
+    (B, L, Hkv, D), each KV head serving its group of query heads: (B, Qmax, Hq, D)."""
+    bsz, qmax, hq, d = q_pad.shape
+    qg = q_pad.view(bsz, qmax, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, Qmax, D)
     kg = k_ctx.permute(0, 2, 3, 1).unsqueeze(2)  # (B, Hkv, 1, D, L)
     scores = torch.matmul(qg, kg) * scale  # (B, Hkv, G, Qmax, L)
     scores = scores.float().masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # float32 softmax, as HF's eager attention
+    probs = torch.softmax(scores, dim=-1).to(q_pad.dtype)  # float32 softmax, as HF's eager attention
     vg = v_ctx.permute(0, 2, 1, 3).unsqueeze(2)  # (B, Hkv, 1, L, D)
     out = torch.matmul(probs, vg)  # (B, Hkv, G, Qmax, D)
-    out = out.permute(0, 3, 1, 2, 4).reshape(bsz, qmax, hq, d)  # (B, Qmax, Hq, D)
-    return out[seq_idx, row]  # (T, Hq, D)
+    return out.permute(0, 3, 1, 2, 4).reshape(bsz, qmax, hq, d)
 
 
 def _token_rows(query_start_loc: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
