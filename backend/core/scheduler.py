@@ -110,11 +110,10 @@ class Scheduler:
             return None
         if not self._give_rows_blocks(sb):
             return None
-        budget = self.max_num_batched_tokens - len(sb)
-        tail = self._joiner_chunks(sb, budget)
-        if tail is None:
+        chunks = self._joiner_chunks(sb, self.max_num_batched_tokens - len(sb))
+        if chunks is None:
             return None
-        budget -= sum(k for _, k in tail)
+        tail, budget = chunks
         step_id = self._next_step_id
         self._next_step_id += 1
         sb.advance(step_id)
@@ -146,9 +145,9 @@ class Scheduler:
             sb.add_block(row, requests[row].block_ids[-1])
         return True
 
-    def _joiner_chunks(self, sb: SteadyBatch, budget: int) -> list[tuple[Request, int]] | None:
+    def _joiner_chunks(self, sb: SteadyBatch, budget: int) -> tuple[list[tuple[Request, int]], int] | None:
         """The joiners' prefill chunks that fit the token budget, each given its KV blocks before anything is
-        counted; None when blocks ran out."""
+        counted, and the budget they leave; None when blocks ran out."""
         bm, bs = self.block_manager, self.block_manager.block_size
         tail: list[tuple[Request, int]] = []
         for req in sb.joiners:
@@ -159,7 +158,7 @@ class Scheduler:
                 return None
             tail.append((req, n))
             budget -= n
-        return tail
+        return tail, budget
 
     def _maybe_start_steady(self, batch: ScheduledBatch) -> None:
         """Two general steps in a row fed one token to every running request, each sampled: keep them as arrays."""

@@ -57,7 +57,6 @@ class _Staged:
     needs: bool = False  # there is new text to decode
 
 
-
 def _by_request(events: list[StepEvent]) -> dict[str, list]:
     """A batch's events grouped by request, in arrival order; plain tokens stay (request_id, token) tuples (no
     StepEvent per token)."""
@@ -70,6 +69,7 @@ def _by_request(events: list[StepEvent]) -> dict[str, list]:
         else:
             group.append(ev)
     return groups
+
 
 class OutputProcessor:
     """A worker thread that detokenizes, applies stop strings and delivers outputs to each request's sink."""
