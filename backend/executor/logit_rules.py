@@ -41,52 +41,71 @@ class LogitEdits:
         logits.index_put_((self.rows, self.tokens), values.to(logits.dtype), accumulate=True)
 
 
+@dataclass(slots=True)
+class _EditLists:
+    """A step's edits gathered on the host, row by row, before they go to the device as a few index tensors."""
+
+    rows: list[int]
+    tokens: list[int]
+    values: list[float]
+    when: list[int]
+    allowed_rows: list[int]
+    allowed_tokens: list[int]
+    restricted: list[int]
+
+    def add(self, j: int, req: Request) -> None:
+        """Sampled row j's edits: min_tokens stop bans, logit_bias, bad-word bans, its allowed set."""
+        p = req.params
+        if p.min_tokens and req.num_output_tokens - 1 < p.min_tokens:  # no stop token before the minimum
+            for t in sorted(req.stop_ids):
+                self._edit(j, t, float("-inf"), _ALWAYS)
+        for t, bias in p.logit_bias.items():
+            self._edit(j, t, bias, _ALWAYS)
+        for t, last in _bad_word_bans(req):
+            self._edit(j, t, float("-inf"), last)
+        if p.allowed_token_ids:
+            self.restricted.append(j)
+            self.allowed_rows += [j] * len(p.allowed_token_ids)
+            self.allowed_tokens += p.allowed_token_ids
+
+    def _edit(self, row: int, token: int, value: float, when: int) -> None:
+        self.rows.append(row)
+        self.tokens.append(token)
+        self.values.append(value)
+        self.when.append(when)
+
+    def to_device(self, device: torch.device) -> LogitEdits:
+        """The gathered edits as LogitEdits on the device (pinned host copies on CUDA, so the uploads don't block)."""
+        pin = device.type == "cuda"
+
+        def upload(data: list, dtype: torch.dtype) -> torch.Tensor:
+            host = torch.tensor(data, dtype=dtype)
+            return (host.pin_memory() if pin else host).to(device, non_blocking=True)
+
+        edits = LogitEdits(None, None, None, None, False, None, None, None)
+        if self.rows:
+            index = upload([self.rows, self.tokens, self.when], torch.int64)
+            edits.rows, edits.tokens, edits.when_last = index[0], index[1], index[2]
+            edits.values = upload(self.values, torch.float32)
+            edits.conditional = any(w != _ALWAYS for w in self.when)
+        if self.restricted:
+            pairs = upload([self.allowed_rows, self.allowed_tokens], torch.int64)
+            edits.allowed_rows, edits.allowed_tokens = pairs[0], pairs[1]
+            edits.restricted_rows = upload(self.restricted, torch.int64)
+        return edits
+
+
 def logit_edits(sampled: Sequence[Request], device: torch.device, first: int = 0) -> LogitEdits | None:
     """The edits for a step's sampled rows (in row order) from row `first` on (the rows before it have none); None
     when no row has any. A bad word whose prefix ends on the token still on the device (the asynchronous pipeline's
     carry-over) is checked there."""
-    rows: list[int] = []
-    tokens: list[int] = []
-    values: list[float] = []
-    when: list[int] = []
-    allowed_rows: list[int] = []
-    allowed_tokens: list[int] = []
-    restricted: list[int] = []
+    lists = _EditLists([], [], [], [], [], [], [])
     for j in range(first, len(sampled)):
-        req = sampled[j]
-        if not req.edits_logits:
-            continue
-        p = req.params
-        if p.min_tokens and req.num_output_tokens - 1 < p.min_tokens:  # no stop token before the minimum
-            for t in sorted(req.stop_ids):
-                rows.append(j), tokens.append(t), values.append(float("-inf")), when.append(_ALWAYS)
-        for t, bias in p.logit_bias.items():
-            rows.append(j), tokens.append(t), values.append(bias), when.append(_ALWAYS)
-        for t, last in _bad_word_bans(req):
-            rows.append(j), tokens.append(t), values.append(float("-inf")), when.append(last)
-        if p.allowed_token_ids:
-            restricted.append(j)
-            allowed_rows += [j] * len(p.allowed_token_ids)
-            allowed_tokens += p.allowed_token_ids
-    if not rows and not restricted:
+        if sampled[j].edits_logits:
+            lists.add(j, sampled[j])
+    if not lists.rows and not lists.restricted:
         return None
-    pin = device.type == "cuda"
-
-    def to_device(data: list, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(data, dtype=dtype)
-        return (host.pin_memory() if pin else host).to(device, non_blocking=True)
-
-    edits = LogitEdits(None, None, None, None, False, None, None, None)
-    if rows:
-        index = to_device([rows, tokens, when], torch.int64)
-        edits.rows, edits.tokens, edits.when_last = index[0], index[1], index[2]
-        edits.values = to_device(values, torch.float32)
-        edits.conditional = any(w != _ALWAYS for w in when)
-    if restricted:
-        pairs = to_device([allowed_rows, allowed_tokens], torch.int64)
-        edits.allowed_rows, edits.allowed_tokens = pairs[0], pairs[1]
-        edits.restricted_rows = to_device(restricted, torch.int64)
-    return edits
+    return lists.to_device(device)
 
 
 def _bad_word_bans(req: Request) -> list[tuple[int, int]]:
