@@ -43,7 +43,6 @@ class EngineConfig:
     mixed_step_graphs: bool = True  # triton attention: steps with prefill chunks replay graphs per token bucket
     graph_idle_measure: bool = True  # CUDA graphs: time each graph's inner idle once (CUPTI) so GPU busy is kernel time
     fused_sampler: bool = True  # triton ops: sampling in one kernel (captured per bucket); off: the torch sampler
-    steady_decode: bool = True  # runs of identical decode steps are scheduled, packed and read as arrays
     attention_backend: str = "auto"  # auto | torch | triton
     linear_backend: str = "auto"  # auto (measured table) | triton | cublas: decode GEMMs on the triton path
     # auto (decode on compute capability >= 9.0, else off) | decode (decode steps of at most dependent_decode_rows

@@ -85,8 +85,7 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     kv_cache = torch.zeros(spec.kv_cache_shape(num_blocks, config.block_size), dtype=kv_dtype,
                            device=device)  # (L, 2, NB, BS, Hkv, D)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-    scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                          steady_decode=config.steady_decode)
+    scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_len)
     timeline = Timeline(config.timeline, use_cuda=device.type == "cuda")
     layout = SlotLayout(max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
                         max_blocks=-(-max_len // config.block_size), max_logprobs=MAX_LOGPROBS)

@@ -27,7 +27,6 @@ class EngineStats:
             "prefix_cache_hit_rate": bm.hit_rate(),
             "preemptions": sch.num_preemptions,
             "steps": steps,
-            "steady_steps": sch.num_steady_steps,
         }
         if self._timeline.enabled and steps % self._GPU_EVERY == 0 and steps:
             # O(1): a summary over 256 steps' spans (and resolving their events at once) stalled the loop for ms

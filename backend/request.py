@@ -202,12 +202,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Any] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose KV is written or queued to be written
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash of each full block, in order
-    # newest step that holds this request (may still be on the device); a steady batch's rows have theirs set when
-    # they leave the batch (SteadyBatch.last_step_id until then)
-    last_step_id: int = -1
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_reason: str | None = None
     blocks_freed: bool = False
@@ -215,7 +211,6 @@ class Request:
     first_token_time: float | None = None
     # counters kept in step with the lists (read every step for every request, so not recomputed)
     num_prompt_tokens: int = 0
-    num_tokens: int = 0  # prompt + outputs + tokens still on the device (num_pending)
     # greedy, no logprobs, penalties or min_tokens: a decode graph's own argmax is its final token
     plain_greedy: bool = False
     stop_ids: frozenset[int] = frozenset()  # tokens that end the request: stop_token_ids, and EOS unless ignored
@@ -234,6 +229,60 @@ class Request:
     # the chained prefix-cache hash of each full prompt block); None: made by the loop when first needed
     prompt_array: Any = None
     prompt_hashes: tuple[int, list[int]] | None = None
+    # the token counts and newest step (num_computed_tokens, num_tokens, last_step_id), stored here while the
+    # request is no decode row; while it is one, the running batch counts them for all its rows at once (one add a
+    # step, not one per row): `row_batch` is that batch, _computed the request's offset from the batch's count of steps
+    row_batch: Any = field(default=None, init=False)
+    _computed: int = field(default=0, init=False)
+    _tokens: int = field(default=0, init=False)
+    _last_step_id: int = field(default=-1, init=False)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is written or queued to be written."""
+        rows = self.row_batch
+        return self._computed if rows is None else rows.advances + self._computed
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        rows = self.row_batch
+        self._computed = value if rows is None else value - rows.advances
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + outputs + tokens still on the device (num_pending). A decode row holds exactly one token it has
+        not fed yet: the one it sampled last."""
+        return self._tokens if self.row_batch is None else self.num_computed_tokens + 1
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        if self.row_batch is not None:
+            raise RuntimeError(f"request {self.request_id}: a decode row's token count follows its batch")
+        self._tokens = value
+
+    @property
+    def last_step_id(self) -> int:
+        """The newest step that holds this request (it may still be on the device)."""
+        return self._last_step_id if self.row_batch is None else self.row_batch.last_step_id
+
+    @last_step_id.setter
+    def last_step_id(self, value: int) -> None:
+        if self.row_batch is not None:
+            raise RuntimeError(f"request {self.request_id}: a decode row's newest step is its batch's")
+        self._last_step_id = value
+
+    def join_rows(self, rows: Any) -> None:
+        """The request becomes a decode row of `rows` (a RunningBatch): from now on the batch counts for it."""
+        self._computed -= rows.advances
+        self.row_batch = rows
+
+    def leave_rows(self) -> None:
+        """The request is no decode row any more: its counts, as the batch kept them, are stored here again."""
+        rows = self.row_batch
+        if rows is not None:
+            computed = self.num_computed_tokens
+            self.row_batch = None
+            self._computed, self._tokens, self._last_step_id = computed, computed + 1, rows.last_step_id
 
     def __post_init__(self) -> None:
         p = self.params

@@ -65,7 +65,7 @@ class BlockManager:
         return True
 
     def append_one_block_each(self, reqs: list[Request]) -> list[int] | None:
-        """One more block for each of reqs (steady decode rows whose next token starts a block), in one pass; None,
+        """One more block for each of reqs (decode rows whose next token starts a block), in one pass; None,
         taking nothing, when fewer are free."""
         if len(reqs) > len(self.free_blocks):
             return None

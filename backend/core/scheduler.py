@@ -4,51 +4,59 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from backend.core.kv_cache import BlockManager
+from backend.core.running_batch import RunningBatch
 from backend.request import Request, RequestStatus
-from backend.core.steady_batch import SteadyBatch
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """One step's work: requests in order, tokens each feeds, and whether its last token is sampled."""
+    """One step's work: the running batch's decode rows (one token each), then prefill chunks, and whether each
+    request's last token is sampled."""
 
     step_id: int
+    rows: RunningBatch  # requests[:num_rows] are its decode rows, as they stood when the step was scheduled
+    num_rows: int = 0
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)  # this step samples the request's next token
     num_tokens: int = 0
     is_decode_only: bool = True  # every request feeds exactly one token
     free_after: list[Request] = field(default_factory=list)  # finished while this step was queued
-    steady: SteadyBatch | None = None  # set when the step was scheduled from a steady decode batch
-    num_steady_rows: int = 0  # with steady: requests[:num_steady_rows] are its rows, the rest are joiners
 
     def __len__(self) -> int:
         return len(self.requests)
 
 
 class Scheduler:
-    """FIFO continuous batching with a token budget, chunked prefill and preemption by recompute."""
+    """FIFO continuous batching with a token budget, chunked prefill and preemption by recompute.
+
+    Every step takes the same path: prefilled requests become decode rows, rows at a length limit leave, each row
+    gets the KV block its next token needs (the newest running requests are preempted when blocks run out), every
+    row feeds its one pending token, the prefilling requests' chunks follow within the token budget, and waiting
+    requests are admitted into what is left."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, steady_decode: bool = True) -> None:
+                 max_model_len: int) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_manager.block_size)  # block-table width
-        self.steady_decode = steady_decode
         self.waiting: deque[Request] = deque()
         # in admission order (oldest first); a dict as an ordered set: a finishing request leaves in O(1)
         self.running: dict[Request, None] = {}
         self.num_preemptions = 0
-        self.num_steady_steps = 0  # steps scheduled from a steady batch (a figure for tests and stats)
-        self.steady: SteadyBatch | None = None  # the running requests as arrays, while they stay the same
-        self._last_requests: list[Request] = []  # the previous general step's requests
+        self.batch = self._new_batch()  # the running requests: prefilling, and decode rows as arrays
         self._next_step_id = 0
         # samples (n > 1) that took their first sample's prompt blocks while scheduling the last step: they queue
         # at the next schedule, so no step reads KV that the same step writes
         self._forked: list[Request] = []
+
+    def _new_batch(self) -> RunningBatch:
+        return RunningBatch(self.block_manager.block_size, self.max_model_len, self.max_blocks)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -60,8 +68,7 @@ class Scheduler:
         """Drop a finished or aborted request from the queues (its blocks are freed by the engine)."""
         if req in self.running:
             del self.running[req]
-            if self.steady is not None:
-                self.steady.remove(req)
+            self.batch.remove(req)
         elif req in self._forked:
             self._forked.remove(req)
         else:
@@ -75,131 +82,86 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self._forked.clear()
-        self._end_steady()
-        self._last_requests = []
-
-    def _end_steady(self) -> None:
-        """The steady run ends (rows changed beyond its rules, blocks ran out, a preemption): its rows' requests are
-        brought up to date."""
-        if self.steady is not None:
-            self.steady.release_rows()
-            self.steady = None
+        self.batch.release_all()
+        self.batch = self._new_batch()
 
     def schedule(self) -> ScheduledBatch | None:
-        """Pick the next step: running requests first (oldest first), then waiting ones in arrival order."""
+        """Pick the next step: the running requests first (rows, then prefill chunks in admission order), then
+        waiting ones in arrival order; None when nothing can run."""
         if self._forked:  # first in line: they arrived with the sample that just finished its prompt
             self.waiting.extendleft(reversed(self._forked))
             self._forked.clear()
-        if self.steady is not None:
-            batch = self._schedule_steady(self.steady)
-            if batch is not None:
-                return batch
-            self._end_steady()
-        batch = self._schedule_general()
-        if batch is not None and self.steady_decode:
-            self._maybe_start_steady(batch)
-        return batch
-
-    def _schedule_steady(self, sb: SteadyBatch) -> ScheduledBatch | None:
-        """The steady rows each feed their one pending token: joiners whose prompt is done become rows, and rows at
-        a length limit leave the run first. Joiners still in prefill, then waiting requests, follow by the
-        general rules. None: KV blocks ran out, so the general path (which preempts) must decide."""
-        sb.take_joiners()
-        sb.retire_rows_at_length_limit()  # after: a joiner that sampled its last token leaves at once
-        if not len(sb):
-            return None
-        if not self._give_rows_blocks(sb):
-            return None
-        chunks = self._joiner_chunks(sb, self.max_num_batched_tokens - len(sb))
-        if chunks is None:
-            return None
-        tail, budget = chunks
-        step_id = self._next_step_id
-        self._next_step_id += 1
-        sb.advance(step_id)
-        n = len(sb)
-        batch = ScheduledBatch(step_id, requests=list(sb.requests), num_new_tokens=[1] * n, samples=[True] * n,
-                               num_tokens=n, is_decode_only=True, steady=sb, num_steady_rows=n)
-        for req, k in tail:
+        rb = self.batch
+        rb.promote_prefilled()
+        rb.retire_rows_at_length_limit()  # after: a request that sampled its last token leaves at once
+        preempted = self._give_rows_blocks(rb)
+        chunks, budget, more = self._prefill_chunks(rb, self.max_num_batched_tokens - len(rb))
+        preempted = preempted or more
+        batch = ScheduledBatch(self._next_step_id, rb)
+        if len(rb):
+            rb.advance(batch.step_id)
+            n = batch.num_rows = len(rb)
+            batch.requests, batch.num_new_tokens, batch.samples = list(rb.requests), [1] * n, [True] * n
+            batch.num_tokens = n
+        for req, k in chunks:
             self._add_to_batch(batch, req, k)
-        self._admit_waiting(batch, budget)  # admitted requests become joiners of the run
-        self.num_steady_steps += 1
+        if not preempted:
+            self._admit_waiting(batch, budget)  # admitted requests prefill from this step on
+        if not batch.requests:
+            return None
+        self._next_step_id += 1
         return batch
 
-    def _give_rows_blocks(self, sb: SteadyBatch) -> bool:
-        """A new KV block for each row whose next token starts one; False when too few are free (the rows that
-        could take one keep it, and the general path, which preempts, must decide)."""
+    def _give_rows_blocks(self, rb: RunningBatch) -> bool:
+        """A new KV block for each row whose next token starts one, preempting the newest running requests while too
+        few are free; whether any request was preempted."""
         bm = self.block_manager
-        needing = sb.rows_needing_block()
+        needing = rb.rows_needing_block()
         if not needing.size:
-            return True
-        requests = sb.requests
+            return False
+        requests = rb.requests
         blocks = bm.append_one_block_each([requests[row] for row in needing.tolist()])
         if blocks is not None:
-            sb.add_blocks(needing, blocks)
-            return True
-        for row in needing.tolist():  # too few free at once: one by one, as many rows as can take one
-            sb.sync(requests[row])  # allocate_slots reads its token count
-            if not bm.allocate_slots(requests[row], 1):
-                return False  # blocks taken so far stay with their requests
-            sb.add_block(row, requests[row].block_ids[-1])
-        return True
-
-    def _joiner_chunks(self, sb: SteadyBatch, budget: int) -> tuple[list[tuple[Request, int]], int] | None:
-        """The joiners' prefill chunks that fit the token budget, each given its KV blocks before anything is
-        counted, and the budget they leave; None when blocks ran out."""
-        bm, bs = self.block_manager, self.block_manager.block_size
-        tail: list[tuple[Request, int]] = []
-        for req in sb.joiners:
-            n = self._tokens_to_feed(req, budget)
-            if not n:
-                continue
-            if req.num_computed_tokens + n > len(req.block_ids) * bs and not bm.allocate_slots(req, n):
-                return None
-            tail.append((req, n))
-            budget -= n
-        return tail, budget
-
-    def _maybe_start_steady(self, batch: ScheduledBatch) -> None:
-        """Two general steps in a row fed one token to every running request, each sampled: keep them as arrays."""
-        same = batch.requests == self._last_requests
-        self._last_requests = batch.requests
-        if (same and batch.is_decode_only and len(batch.requests) == len(self.running)
-                and batch.requests == list(self.running) and all(batch.samples)
-                and all(map(SteadyBatch.eligible, batch.requests))):
-            self.steady = SteadyBatch(batch.requests, self.block_manager.block_size, self.max_model_len,
-                                      self.max_blocks)
-
-    def _schedule_general(self) -> ScheduledBatch | None:
-        batch = ScheduledBatch(step_id=self._next_step_id)
-        budget = self.max_num_batched_tokens
-        bm, bs = self.block_manager, self.block_manager.block_size
+            rb.add_blocks(needing, blocks)
+            return False
+        # too few free at once: one by one, oldest first, preempting the newest running requests for them (a row
+        # that is preempted itself needs none; rows move as others leave, so each is found by its request)
         preempted = False
-        order = list(self.running)  # preemption takes the newest first: from the end
-        i = 0
-        while i < len(order) and budget > 0:
-            req = order[i]
+        rank = {req: i for i, req in enumerate(self.running)}
+        for req in sorted((requests[row] for row in needing.tolist()), key=rank.__getitem__):
+            while req.row_batch is rb and not bm.allocate_slots(req, 1):
+                self._preempt(self._newest_running())
+                preempted = True
+            if req.row_batch is rb:
+                rb.add_blocks(np.array([rb.requests.index(req)]), [req.block_ids[-1]])
+        return preempted
+
+    def _newest_running(self) -> Request:
+        return next(reversed(self.running))
+
+    def _prefill_chunks(self, rb: RunningBatch, budget: int) -> tuple[list[tuple[Request, int]], int, bool]:
+        """The prefilling requests' chunks that fit the token budget, each given its KV blocks (the newest running
+        requests preempted while too few are free), the budget they leave, and whether any request was preempted."""
+        bm, bs = self.block_manager, self.block_manager.block_size
+        chunks: list[tuple[Request, int]] = []
+        preempted = False
+        for req in list(rb.prefilling):
+            if req not in self.running:  # preempted for an older one's blocks
+                continue
             n = self._tokens_to_feed(req, budget)
             if not n:
-                i += 1
                 continue
-            fits = req.num_computed_tokens + n <= len(req.block_ids) * bs  # the common decode case
+            fits = req.num_computed_tokens + n <= len(req.block_ids) * bs
             while not fits and not bm.allocate_slots(req, n):
-                victim = order.pop()
+                victim = self._newest_running()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             else:
-                self._add_to_batch(batch, req, n)
+                chunks.append((req, n))
                 budget -= n
-                i += 1
-        if not preempted:
-            self._admit_waiting(batch, budget)
-        if not batch.requests:
-            return None
-        self._next_step_id += 1
-        return batch
+        return chunks, budget, preempted
 
     def _tokens_to_feed(self, req: Request, budget: int) -> int:
         """Tokens a running request feeds this step within budget; 0 for none. A request at a length limit feeds
@@ -226,8 +188,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running[req] = None
-            if self.steady is not None:
-                self.steady.joiners.append(req)
+            self.batch.admit(req)
             self._add_to_batch(batch, req, n)
             budget -= n
 
@@ -254,7 +215,7 @@ class Scheduler:
         """Free req's blocks and requeue it first in line; it recomputes its tokens when readmitted, from the cached
         blocks it still finds (its full blocks are hashed first)."""
         del self.running[req]
-        self._end_steady()
+        self.batch.remove(req)  # a row's counts are its own again
         self.block_manager.register_full_blocks(req, req.num_computed_tokens)
         self.block_manager.free(req)
         req.blocks_freed = False

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 from backend.core.kv_cache import BlockManager
 from backend.core.scheduler import Scheduler
-from backend.core.steady_batch import PackedRows, accept_pending, mask_without
+from backend.core.running_batch import mask_without
 from backend.outputs.processor import StepEvent
 from backend.request import FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
 
@@ -32,32 +32,24 @@ class StepUpdater:
               finish: Callable[[Request, str, StepState | None], None]) -> list[StepEvent | tuple[str, int]]:
         """A step's tokens arrived: update its requests and return the events for the output thread. finish(req,
         reason, next_state) ends a request (the engine's, which calls finish() below and forgets the request)."""
-        sb, first, risky = st.batch.steady, 0, []
+        batch = st.batch
+        first, risky = 0, []
         events: list[StepEvent | tuple[str, int]] = []
-        if sb is not None and sb is self.scheduler.steady:
-            if st.steady_version == sb.version:
-                steady = self._update_steady(st, result)
-            else:  # rows left or joined since the step was packed: its rows as packed
-                steady = self._update_packed_rows(st, result, sb.packed_rows.get(st.steady_version))
-            if steady is not None:  # the steady rows are done but the risky ones; joiners follow the general rules
-                (events, risky), first = steady, st.batch.num_steady_rows
-        rows = [*risky, *range(first, len(result.requests))]
-        current = self.scheduler.steady
-        if current is not None:  # rows of the current steady run (the risky ones, joiners since) read their counts
-            requests = result.requests
-            for i in rows:
-                current.sync(requests[i])
-        self._update_rows(result, rows, next_state, events, finish)
+        if batch.num_rows and batch.rows is self.scheduler.batch:
+            decoded = self._update_decode_rows(st, result)
+            if decoded is not None:  # the rows are done but those to check one by one; prefill rows follow
+                (events, risky), first = decoded, batch.num_rows
+        self._update_rows(result, [*risky, *range(first, len(result.requests))], next_state, events, finish)
         bm = self.block_manager
         if bm.enable_prefix_caching:
             bs = bm.block_size
             # prompt blocks that just filled up, for prefix hits of requests arriving meanwhile: every request of the
-            # step but the steady rows (they decode), whether or not its chunk sampled
-            for req in st.batch.requests[st.batch.num_steady_rows if sb is not None else 0:]:
+            # step but the decode rows, whether or not its chunk sampled
+            for req in batch.requests[batch.num_rows:]:
                 computed_prompt = min(req.num_computed_tokens, req.num_prompt_tokens)
                 if computed_prompt >= (len(req.block_hashes) + 1) * bs and not req.is_finished:
                     bm.register_full_blocks(req, computed_prompt)
-        for req in st.batch.free_after:
+        for req in batch.free_after:
             self.block_manager.free(req)
         return events
 
@@ -95,46 +87,33 @@ class StepUpdater:
             if reason is not None:
                 finish(req, reason, next_state)
 
-    def _update_steady(self, st: StepState, result: StepResult
-                       ) -> tuple[list[tuple[str, int]], list[int]] | None:
-        """The steady rows' tokens: those that end no request appended with one short loop, no per-row checks; the
-        rows this step may end (a stop token, or near a length limit) returned for the general update.
-
-        None: so many rows may end that the general update looks at all of them. The steady batch is still the
-        scheduler's and no row left or joined it since the step was packed, so its rows are the step's first rows,
-        in order."""
-        sb = st.batch.steady
-        tokens = result.token_ids[:len(sb)]
-        risky = sb.rows_that_may_end(tokens).tolist()
-        if len(risky) > len(sb) // 4:
-            return None
-        keep = mask_without(len(sb), risky) if risky else None
-        sb.accept(tokens, keep)
-        return sb.events(tokens, keep), risky
-
-    def _update_packed_rows(self, st: StepState, result: StepResult, packed: PackedRows | None
+    def _update_decode_rows(self, st: StepState, result: StepResult
                             ) -> tuple[list[tuple[str, int]], list[int]] | None:
-        """_update_steady for a step whose rows changed after it was packed: each row's token appended, or dropped
-        where the request finished meanwhile; the rows it may end returned for the general update. None: the
-        general update."""
+        """The decode rows' tokens, as the rows stood when the step was packed: those that end no request appended
+        with one short loop, no per-row checks, or dropped where the request finished meanwhile; the rows to check
+        one by one (a stop token, near a length limit, logprobs to report) returned for the per-row update. None:
+        so many rows need checking, or the step's rows are no longer known, that the per-row update takes all."""
+        packed = st.batch.rows.packed_rows.get(st.rows_version)
         if packed is None:
             return None
         n = len(packed.computed)
-        tokens, requests = result.token_ids[:n], result.requests[:n]
+        tokens = result.token_ids[:n]
         risky = packed.rows_that_may_end(tokens).tolist()
         if len(risky) > n // 4:
             return None
-        kept = mask_without(n, risky)
+        kept = mask_without(n, risky) if risky else None
         # only a request that left the rows since the step was packed may have finished meanwhile
-        gone = st.batch.steady.rows_gone_since(st.steady_version, n)
+        gone = st.batch.rows.rows_gone_since(st.rows_version, n)
+        requests = result.requests
         for i in range(n) if gone is None else gone:
             req = requests[i]
-            if kept[i] and req.is_finished:  # finished while this step was queued: its token is dropped, no event
+            if req.is_finished and (kept is None or kept[i]):  # finished while this step was queued: token dropped
                 req.drop_pending()
+                if kept is None:
+                    kept = [True] * n
                 kept[i] = False
-        accept_pending(packed.appends, tokens, kept)
-        events = [(rid, tokens[i]) for rid, i in zip(packed.streamed_ids, packed.streamed_rows) if kept[i]]
-        return events, risky
+        packed.accept(tokens, kept)
+        return packed.events(tokens, kept), risky
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

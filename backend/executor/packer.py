@@ -8,11 +8,12 @@ import numpy as np
 
 from backend.core.kv_cache import NULL_BLOCK
 from backend.core.scheduler import ScheduledBatch
-from backend.core.steady_batch import SteadyBatch
+from backend.core.running_batch import RunningBatch
+from backend.executor.launch_plan import LaunchPlan
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
 from backend.executor.sampler import SamplingTensors, fill_padding_rows, fill_request_rows, pad_token_table, \
     tensors_from_rows
-from backend.executor.steady_sampling import SteadySamplingRows, fill_plain_greedy_rows, merge_flags
+from backend.executor.row_sampling import RowSamplingSettings, fill_plain_greedy_rows, merge_flags
 from backend.request import Request
 from backend.step_records import StepState
 
@@ -26,84 +27,54 @@ class SlotPacker:
         self.block_size = block_size
         self.device = device
         self._arange = np.arange(layout.max_seqs + 1)  # query_start_loc and logits_idx of decode-only steps
-        self._steady_sampling = SteadySamplingRows()  # the steady rows' settings, kept per steady-batch version
+        self._row_sampling = RowSamplingSettings()  # the decode rows' settings, following the rows' changes
 
     def pack(self, batch: ScheduledBatch, prev: StepState | None) -> StepState:
         """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
         slot = self.pipeline.acquire_slot()
         st = StepState(batch, slot)
         padding, slot.decode_padding = slot.decode_padding, None  # this pack writes over rows of it
-        if batch.steady is not None:
-            first = batch.num_steady_rows
-            self._pack_steady(st, prev)
-            if len(batch) > first:  # joiners of the run, by the general rules
-                self._pack_mixed(st, prev, first)
-                slot.arange_rows = first  # rows [0, first] still hold the steady rows' offsets; the joiners' follow
-                self._write_block_tables(slot, batch.requests[first:], first)
-            elif padding is not None and first < padding[1]:  # the steady rows wrote rows [0, first) only
-                slot.decode_padding = (max(first, padding[0]), padding[1])
-            batch.steady.packed(st.sampled)
-            return st
-        slot.steady_tables = None  # the general path writes rows [0, len(batch)) its own way
-        slot.arange_rows = 0
-        if batch.is_decode_only:
-            self._pack_decode(st, prev)
-        else:
-            self._pack_mixed(st, prev)
-        self._write_block_tables(slot, batch.requests)
+        first = batch.num_rows
+        self._pack_rows(st, prev)
+        if len(batch) > first:  # prefill chunks (and prefilled requests not rows yet) after the rows
+            self._pack_chunks(st, prev, first)
+            slot.arange_rows = first  # rows [0, first] still hold the rows' offsets; the chunks' follow
+            self._write_block_tables(slot, batch.requests[first:], first)
+        elif padding is not None and first < padding[1]:  # the rows wrote rows [0, first) only
+            slot.decode_padding = (max(first, padding[0]), padding[1])
+        batch.rows.packed(st.sampled)
         return st
 
-    def _pack_decode(self, st: StepState, prev: StepState | None) -> None:
-        """One token per request (the common step): each column built as a list, then one numpy copy."""
-        h, bs, reqs = st.slot.np, self.block_size, st.batch.requests
-        b = len(reqs)
-        starts = [r.num_computed_tokens - 1 for r in reqs]
-        token_carry = np.array([self._token_at(r, p, prev) for r, p in zip(reqs, starts)], dtype=np.int64)
-        h["input_ids"][:b] = token_carry[:, 0]
-        h["carry_src"][:b] = token_carry[:, 1]
-        pos = np.array(starts, dtype=np.int64)
-        st.max_len = max(starts) + 1
-        h["positions"][:b] = pos
-        h["slot_mapping"][:b] = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, starts)]
-        h["seq_lens"][:b] = pos + 1
-        h["query_start_loc"][:b + 1] = self._arange[:b + 1]
-        if all(st.batch.samples):
-            h["logits_idx"][:b] = self._arange[:b]
-            st.sampled = list(reqs)
-        else:  # a one-token prefill chunk that is not its prompt's last token
-            for i, (req, samples) in enumerate(zip(reqs, st.batch.samples)):
-                if samples:
-                    self._add_sampled(st, req, i)
-
-    def _pack_steady(self, st: StepState, prev: StepState | None) -> None:
-        """The steady batch's rows (the previous step's, less any that left), one token each: every column from
-        its arrays."""
-        slot, sb = st.slot, st.batch.steady
-        h, n = slot.np, len(sb)
+    def _pack_rows(self, st: StepState, prev: StepState | None) -> None:
+        """The running batch's decode rows, one token each: every column from its arrays."""
+        slot, rb, n = st.slot, st.batch.rows, st.batch.num_rows
+        st.sampled = list(rb.requests)
+        st.rows_version = rb.version
+        if not n:
+            return
+        h = slot.np
         if prev is not None:  # still on the device: row i's input is the token it samples in row src_rows[i]
-            h["carry_src"][:n] = sb.src_rows  # every row carries over: its input_ids entry is never read
+            h["carry_src"][:n] = rb.src_rows  # every row carries over: its input_ids entry is never read
         else:  # read already (synchronous mode): row i's input is the token the other slot read back there
-            h["input_ids"][:n] = self.pipeline.other(st.slot).host_tokens.numpy()[sb.src_rows]
+            h["input_ids"][:n] = self.pipeline.other(st.slot).host_tokens.numpy()[rb.src_rows]
             h["carry_src"][:n] = -1
-        np.subtract(sb.computed, 1, out=h["positions"][:n])  # the position each row feeds
-        h["slot_mapping"][:n] = sb.kv_slots
-        h["seq_lens"][:n] = sb.computed
+        np.subtract(rb.computed, 1, out=h["positions"][:n])  # the position each row feeds
+        h["slot_mapping"][:n] = rb.kv_slots
+        h["seq_lens"][:n] = rb.computed
         if slot.arange_rows < n:  # one row, one token, one logits row each
             h["query_start_loc"][:n + 1] = self._arange[:n + 1]
             h["logits_idx"][:n] = self._arange[:n]
             slot.arange_rows = n
-        self._write_steady_tables(slot, sb)
-        st.sampled = list(sb.requests)
-        st.steady_version = sb.version
+        self._write_row_tables(slot, rb)
 
     @staticmethod
-    def _write_steady_tables(slot: Slot, sb: SteadyBatch) -> None:
-        """The steady rows' block tables into the slot's rows [0, rows): whole rows only where the slot holds another
-        row's (a row moved into a deleted one's place, a joiner), else the blocks added since the slot was last
-        packed (two steps ago: a block at most per row)."""
-        n, tables, held = len(sb), slot.np["block_tables"], slot.steady_tables
+    def _write_row_tables(slot: Slot, sb: RunningBatch) -> None:
+        """The decode rows' block tables into the slot's rows [0, rows): whole rows only where the slot holds another
+        row's (a row moved into a deleted one's place, a row that joined), else the blocks added since the slot was
+        last packed (two steps ago: a block at most per row)."""
+        n, tables, held = len(sb), slot.np["block_tables"], slot.row_tables
         if held is None or held[0] != sb.serial:
-            held = slot.steady_tables = (sb.serial, np.full(len(tables), -1, dtype=np.int64),
+            held = slot.row_tables = (sb.serial, np.full(len(tables), -1, dtype=np.int64),
                                          np.zeros(len(tables), dtype=np.int64))
         ids, counts = held[1][:n], held[2][:n]  # views: written below
         moved = (ids != sb.table_ids).nonzero()[0]
@@ -128,13 +99,13 @@ class SlotPacker:
         ids[:] = sb.table_ids
         counts[:] = sb.num_blocks
 
-    def _pack_mixed(self, st: StepState, prev: StepState | None, first: int = 0) -> None:
-        """Prefill chunks (every token known on the host) beside decode rows; from request `first` on (the ones
-        before it are steady rows, one token each, packed already)."""
+    def _pack_chunks(self, st: StepState, prev: StepState | None, first: int) -> None:
+        """Prefill chunks (every token known on the host) and prefilled requests' one-token steps, from request
+        `first` on (the ones before it are decode rows, one token each, packed already)."""
         h, bs, batch = st.slot.np, self.block_size, st.batch
         ids, pos, slots_, carry = h["input_ids"], h["positions"], h["slot_mapping"], h["carry_src"]
         qsl, seq_lens = h["query_start_loc"], h["seq_lens"]
-        t = first  # each steady row before `first` feeds one token
+        t = first  # each decode row before `first` feeds one token
         qsl[first] = t
         rows = zip(batch.requests[first:], batch.num_new_tokens[first:], batch.samples[first:])
         for b, (req, n, samples) in enumerate(rows, start=first):
@@ -171,8 +142,8 @@ class SlotPacker:
         """Row first + b of the slot's block table holds reqs[b]'s blocks; only blocks added since the slot last
         held that same list are written."""
         tables, owners = slot.np["block_tables"], slot.table_owners
-        if slot.steady_tables is not None:  # these rows hold no steady row's blocks now
-            slot.steady_tables[1][first:first + len(reqs)] = -1
+        if slot.row_tables is not None:  # these rows hold no decode row's blocks now
+            slot.row_tables[1][first:first + len(reqs)] = -1
         for b, req in enumerate(reqs, start=first):
             blocks = req.block_ids
             owner = owners[b]
@@ -192,9 +163,18 @@ class SlotPacker:
             return req.output_token_ids[p - n_prompt], -1
         return 0, prev.row_of[id(req)]  # sampled by the step still on the device
 
+    def pad(self, st: StepState, plan: LaunchPlan) -> None:
+        """The padding the step's graph reads: one-token rows up to a decode graph's bucket, or a mixed graph's
+        tokens, sequences and logits rows past the step's own."""
+        batch = st.batch
+        if plan.bucket is not None and plan.bucket > len(batch):
+            self.pad_decode(st.slot, len(batch), plan.bucket)
+        elif plan.tokens is not None:
+            self.pad_mixed(st.slot, len(batch), batch.num_tokens, plan.tokens, len(st.sampled), plan.logits_rows)
+
     def pad_decode(self, slot: Slot, start: int, end: int) -> None:
         """Rows [start, end) of a graph bucket: one harmless token each, written into the null block (unless the
-        slot's host buffers hold that padding still: a steady run's row count moves by a few rows a step)."""
+        slot's host buffers hold that padding still: the decode rows' count moves by a few rows a step)."""
         padding = slot.decode_padding
         if padding is not None and padding[0] <= start and end <= padding[1]:
             return
@@ -209,8 +189,8 @@ class SlotPacker:
         h["logits_idx"][start:end] = np.arange(start, end)
         h["block_tables"][start:end, 0] = NULL_BLOCK
         slot.table_owners[start:end] = [None] * (end - start)
-        if slot.steady_tables is not None:
-            slot.steady_tables[1][start:end] = -1
+        if slot.row_tables is not None:
+            slot.row_tables[1][start:end] = -1
 
     def pad_mixed(self, slot: Slot, num_seqs: int, num_tokens: int, tokens: int, num_sampled: int, rows: int) -> None:
         """A mixed graph's padding: tokens [num_tokens, tokens) written into the null block and in no sequence,
@@ -234,13 +214,11 @@ class SlotPacker:
     def sampling_rows(self, st: StepState, rows: int) -> SamplingTensors:
         """Fill the slot's sampling rows on the host; return the device views the sampler reads."""
         slot, reqs = st.slot, st.sampled
-        n = len(reqs)
+        n, first = len(reqs), st.batch.num_rows  # the decode rows lead the step's sampled rows, as packed
         host_f, host_i, host_k = slot.sampling_host
-        sb = st.batch.steady
-        # the steady rows lead the step's sampled rows, as packed (no row has left or joined since: same version)
-        first = st.batch.num_steady_rows if sb is not None and st.steady_version == sb.version else 0
-        flags = self._steady_sampling.fill(sb, host_f[:, :first], host_i[:, :first], host_k[:first]) if first else None
-        if n > first:  # joiners of a steady run, or every row of a general step
+        flags = self._row_sampling.fill(st.batch.rows, host_f[:, :first], host_i[:, :first], host_k[:first]) \
+            if first else None
+        if n > first:  # the prefill rows that sample
             if all(r.plain_greedy for r in islice(reqs, first, None)):  # they sample alike: nothing to read
                 more = fill_plain_greedy_rows(host_f[:, first:n], host_i[:, first:n], host_k[first:n])
             else:
@@ -250,12 +228,10 @@ class SlotPacker:
             fill_padding_rows(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])
         prompt = output = None
         if flags["any_penalty"]:
-            if sb is not None:
-                sb.sync_rows()  # the output tables below follow each row's token count
             prompt = pad_token_table([r.prompt_token_ids for r in reqs], rows, self.device)
             # outputs before this step's input token; the input token itself is appended on the device
             output = pad_token_table([r.output_token_ids[:max(0, r.num_computed_tokens - 1 - r.num_prompt_tokens)]
-                                  for r in reqs], rows, self.device)
+                                      for r in reqs], rows, self.device)
         tensors = tensors_from_rows(slot.sampling_views(rows), prompt, output, flags)
         st.read_logprobs = flags["num_logprobs"] >= 0
         st.num_top = max(0, flags["num_logprobs"])

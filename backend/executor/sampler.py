@@ -111,7 +111,7 @@ _FEW_ROWS = 16  # request_columns reads up to this many rows with per-row Python
 def request_columns(reqs) -> tuple[np.ndarray, np.ndarray]:
     """fill_request_rows' settings of reqs and each row's flag bits: (6, m) float32 as host_f, and (5, m) int64 rows:
     seed (its low 64 bits), step index, top_k (capped to int32), the top-k cutoff in force (0: none) and the flag
-    bits (row_bits). A few rows (a steady run's joiners) are read row by row, more with a few numpy calls."""
+    bits (row_bits). A few rows (rows joining the decode rows, prefill rows) are read row by row, more with a few numpy calls."""
     if len(reqs) > _FEW_ROWS:
         floats, top_k = _param_columns([r.params for r in reqs])
         steps = np.fromiter((r.num_tokens - r.num_prompt_tokens - 1 for r in reqs), dtype=np.int64, count=len(reqs))

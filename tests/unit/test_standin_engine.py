@@ -18,6 +18,5 @@ def test_every_request_gets_exactly_its_tokens(async_pipeline):
         outs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
         assert [o.token_ids for o in outs] == [expected_tokens(p, n, 512) for p, n in zip(prompts, lengths)]
         assert kv_blocks_used_after_settling(engine) == 0
-        assert engine.stats()["steady_steps"] > 0  # runs of identical decode steps took the array path
     finally:
         engine.shutdown()

@@ -1,6 +1,6 @@
 """The scheduler's decisions, step by step, through the whole engine loop with the stand-in model (instant tokens):
 chunked prefill within the token budget, running requests before waiting ones, the seat limit, arrival order,
-preemption by recompute of the newest request, and the same steps whether decode runs take the array path or not."""
+preemption by recompute of the newest request, and every step as a reference model of those rules makes it."""
 from __future__ import annotations
 
 import pytest
@@ -62,11 +62,10 @@ def test_no_more_requests_run_than_seats_and_they_are_admitted_in_arrival_order(
     assert admitted == ids
 
 
-@pytest.mark.parametrize("steady_decode", [True, False], ids=["array-rows", "general"])
-def test_when_blocks_run_out_the_newest_requests_are_preempted_and_recomputed_in_arrival_order(steady_decode):
+def test_when_blocks_run_out_the_newest_requests_are_preempted_and_recomputed_in_arrival_order():
     # 4 requests of 20 + 60 tokens need 5 blocks of 16 each (20 blocks); 13 usable blocks cannot hold them all
     prompts = random_prompts([20] * 4, seed=4)
-    steps, stats, ids = run(prompts, 60, num_kv_blocks=14, max_num_seqs=4, steady_decode=steady_decode)
+    steps, stats, ids = run(prompts, 60, num_kv_blocks=14, max_num_seqs=4)
     assert stats["preemptions"] == 2
     left = [next(i for i, step in enumerate(steps) if rid not in {r for r, _, _ in step}) for rid in ids[2:]]
     assert left[1] < left[0]  # the newest left first, then the next newest
@@ -75,17 +74,48 @@ def test_when_blocks_run_out_the_newest_requests_are_preempted_and_recomputed_in
     assert [rid for rid, n, _ in back if n > 1] == ids[2:]  # both recompute, in arrival order, in one step
 
 
-def test_decode_runs_on_array_rows_schedule_exactly_the_general_steps():
-    """Requests that finish at different steps, a queue longer than the seats, prompts of several chunks: the steady
-    array path must make the same steps as the general path."""
+@pytest.mark.parametrize("budget, seats", [(256, 8), (40, 5)])
+def test_every_step_is_the_one_the_batching_rules_make(budget, seats):
+    """Requests that finish at different steps, a queue longer than the seats, prompts of several chunks: every step
+    feeds what a plain model of the rules feeds. Each decoding request one token; then the prefilling requests, in
+    admission order, chunks of what budget is left; then waiting requests admitted in arrival order into the seats
+    and budget left. A request whose prompt is done decodes from the next step; one that sampled its last token
+    leaves (synchronous pipeline: each step's tokens are read before the next is scheduled)."""
     prompts = random_prompts([(37 * i) % 300 + 1 for i in range(24)], seed=5)
     lengths = [(11 * i) % 40 + 1 for i in range(24)]
-    steady, steady_stats, _ = run(prompts, lengths, steady_decode=True)
-    general, general_stats, _ = run(prompts, lengths, steady_decode=False)
-    assert steady_stats["steady_steps"] > 0 and general_stats["steady_steps"] == 0
-    assert _without_ids(steady) == _without_ids(general)
+    steps, _, ids = run(prompts, lengths, max_num_batched_tokens=budget, max_num_seqs=seats)
+    want = _reference_steps([len(p) for p in prompts], lengths, budget, seats)
+    assert len(steps) == len(want)
+    index = {rid: i for i, rid in enumerate(ids)}
+    for got, expected in zip(steps, want):
+        assert sorted((index[rid], n, s) for rid, n, s in got) == sorted(expected)
 
 
-def _without_ids(steps):
-    """Each step as (tokens fed, samples) per row: request ids are numbered per engine."""
-    return [[(n, s) for _, n, s in step] for step in steps]
+def _reference_steps(prompt_lens, lengths, budget, seats):
+    """The steps of the batching rules, as sorted (request index, tokens fed, samples) lists."""
+    computed = [0] * len(prompt_lens)
+    sampled = [0] * len(prompt_lens)
+    waiting, running, steps = list(range(len(prompt_lens))), [], []
+    while waiting or running:
+        step, left = [], budget
+        for i in running:  # decoding requests: their prompt is done
+            if computed[i] >= prompt_lens[i]:
+                step.append((i, 1, True))
+                left -= 1
+        for i in running:
+            if computed[i] < prompt_lens[i] and left:
+                n = min(prompt_lens[i] - computed[i], left)
+                step.append((i, n, computed[i] + n == prompt_lens[i]))
+                left -= n
+        while waiting and left and len(running) < seats:
+            i = waiting.pop(0)
+            running.append(i)
+            n = min(prompt_lens[i], left)
+            step.append((i, n, n == prompt_lens[i]))
+            left -= n
+        for i, n, samples in step:
+            computed[i] += n
+            sampled[i] += samples
+        running = [i for i in running if sampled[i] < lengths[i]]
+        steps.append(step)
+    return steps

@@ -204,7 +204,7 @@ def test_preallocated_buffers_keep_addresses_and_pad_greedy_rows():
 
 
 def test_request_columns_equal_the_host_rows_and_their_bits_the_flags():
-    """The request read (a steady batch's rows and joiners, a general step's rows) writes what fill_host_rows writes
+    """The request read (rows joining the decode rows, prefill rows, many rows at once) writes what fill_host_rows writes
     from the same params, seeds and step indices, and its per-row flag bits give row_flags' flags (logprobs asked
     included) for every subset of rows: float32 edges (a temperature that is 0 in float32, a top_p that rounds to
     1), top_k past int32, seeds past int63, greedy rows with sampling settings."""

@@ -1,7 +1,7 @@
-"""CPU microbenchmark of the steady rows' host work a step: one row leaving, one joining, the advance, the accept
-and the pack of N decode rows (no model, no device).
+"""CPU microbenchmark of the decode rows' host work a step: one row leaving, one joining, the advance, the accept
+and the pack of N decode rows of the running batch (no model, no device).
 
-`python -m bench.steady_rows [--rows 256] [--steps 2000]` prints the median µs of each, then one JSON line.
+`python -m bench.decode_rows [--rows 256] [--steps 2000]` prints the median µs of each, then one JSON line.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from backend.core.scheduler import ScheduledBatch
-from backend.core.steady_batch import SteadyBatch
+from backend.core.running_batch import RunningBatch
 from backend.executor.packer import SlotPacker
 from backend.executor.pipeline import Pipeline, SlotLayout
 from backend.request import Request, SamplingParams
@@ -53,16 +53,17 @@ def run(rows: int = 256, steps: int = 2000, seed: int = 3) -> dict[str, float]:
     layout = SlotLayout(max_tokens=8192, max_seqs=2 * rows, max_blocks=MAX_BLOCKS, max_logprobs=0)
     pipeline = Pipeline(layout, torch.device("cpu"), Timeline())
     packer = SlotPacker(pipeline, layout, BLOCK_SIZE, torch.device("cpu"))
-    sb = SteadyBatch([_request(i, rng, blocks) for i in range(rows)], BLOCK_SIZE, 10**6, MAX_BLOCKS)
+    sb = RunningBatch(BLOCK_SIZE, 10**6, MAX_BLOCKS)
+    sb._append([_request(i, rng, blocks) for i in range(rows)], np.zeros(rows, dtype=np.int64))
     times: dict[str, list[float]] = {"delete": [], "append": [], "advance": [], "accept": [], "pack": []}
     tokens, prev = list(range(rows)), None
     clock = time.perf_counter
     for step in range(steps):
-        gone, joiner = np.array([rng.randrange(len(sb))]), _request(rows + step, rng, blocks)
+        gone, newcomer = np.array([rng.randrange(len(sb))]), _request(rows + step, rng, blocks)
         t0 = clock()
         sb._delete(gone)
         t1 = clock()
-        sb._append([joiner], np.array([0]))
+        sb._append([newcomer], np.array([0]))
         t2 = clock()
         need = sb.rows_needing_block()
         if need.size:
@@ -73,12 +74,12 @@ def run(rows: int = 256, steps: int = 2000, seed: int = 3) -> dict[str, float]:
         t3 = clock()
         sb.advance(step)
         t4 = clock()
-        batch = ScheduledBatch(step, requests=list(sb.requests), num_new_tokens=[1] * rows, samples=[True] * rows,
-                               num_tokens=rows, is_decode_only=True, steady=sb, num_steady_rows=rows)
+        batch = ScheduledBatch(step, sb, num_rows=rows, requests=list(sb.requests), num_new_tokens=[1] * rows,
+                               samples=[True] * rows, num_tokens=rows, is_decode_only=True)
         t5 = clock()
         prev = packer.pack(batch, prev)
         t6 = clock()
-        sb.accept(tokens)
+        sb.packed_rows[prev.rows_version].accept(tokens)
         t7 = clock()
         for name, span in (("delete", t1 - t0), ("append", t2 - t1), ("advance", t4 - t3), ("pack", t6 - t5),
                            ("accept", t7 - t6)):
@@ -90,7 +91,7 @@ def run(rows: int = 256, steps: int = 2000, seed: int = 3) -> dict[str, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=256, help="steady rows")
+    ap.add_argument("--rows", type=int, default=256, help="decode rows")
     ap.add_argument("--steps", type=int, default=2000, help="steps timed")
     args = ap.parse_args(argv)
     result = run(args.rows, args.steps)

@@ -1,14 +1,15 @@
-"""The steady rows' sampling settings, kept per row as the rows change, not read from every request each step."""
+"""The decode rows' sampling settings, kept per row as the rows change, not read from every request each step."""
 from __future__ import annotations
 
 import numpy as np
 
-from backend.core.steady_batch import SteadyBatch
+from backend.core.running_batch import RunningBatch
 from backend.executor.sampler import fill_padding_rows, flags_of_rows, request_columns
 
-_NO_LOGPROBS = -1  # steady rows never ask for logprobs (SteadyBatch.eligible)
-# rows of the kept int matrix (request_columns' rows, the step index less the token count)
-_SEED, _STEP_LESS_COUNT, _TOP_K, _CUTOFF, _BITS = range(5)
+_NO_LOGPROBS = -1
+# rows of the kept int matrix (request_columns' rows, the step index less the token count; then the logprobs each
+# row asks for, _NO_LOGPROBS for none)
+_SEED, _STEP_LESS_COUNT, _TOP_K, _CUTOFF, _BITS, _LOGPROBS = range(6)
 # plain-greedy rows (Request.plain_greedy) all sample alike: the argmax, whatever their seeds or cutoffs
 _PLAIN_GREEDY_FLAGS = flags_of_rows(np.zeros(1, np.int64), np.zeros(1, np.int64), _NO_LOGPROBS)
 
@@ -32,26 +33,27 @@ def merge_flags(a: dict, b: dict) -> dict:
     )
 
 
-class SteadySamplingRows:
-    """Per-row settings of a steady batch's rows, kept while its rows stay the same and following them as they change.
+class RowSamplingSettings:
+    """Per-row settings of a running batch's decode rows, kept while its rows stay the same and following them as they
+    change.
 
     Within a version only each row's step index moves, by one a step for every row, as its token count does: the
     kept value is the step index less the token count, and the step index is that plus the count of now. When rows
-    leave or join, the kept arrays follow the batch's recorded changes (rows taken in their new order, joiners'
-    settings read and added at the end), so only the joiners' requests are read; the batch's flags come from each
-    row's kept flag bits by one OR and its top-k cutoffs by one max. Reading every request's parameters for 256
+    leave or join, the kept arrays follow the batch's recorded changes (rows taken in their new order, joining rows'
+    settings read and added at the end), so only the joining rows' requests are read; the batch's flags come from
+    each row's kept flag bits by one OR and its top-k cutoffs by one max. Reading every request's parameters for 256
     rows costs a few hundred microseconds of Python; following a change costs a few."""
 
     def __init__(self) -> None:
-        self._batch: SteadyBatch | None = None
+        self._batch: RunningBatch | None = None
         self._version = -1
         self._f: np.ndarray | None = None  # (6, rows) float32: the float settings, as fill_host_rows writes them
-        # (5, rows) int64: seed, step index less token count, top_k (int32 range), top-k cutoff in force (0: none),
-        # flag bits (sampler.request_columns)
+        # (6, rows) int64: seed, step index less token count, top_k (int32 range), top-k cutoff in force (0: none),
+        # flag bits (sampler.request_columns), logprobs asked (-1: none)
         self._i: np.ndarray | None = None
         self._flags: dict = {}
 
-    def fill(self, sb: SteadyBatch, host_f: np.ndarray, host_i: np.ndarray, host_k: np.ndarray) -> dict:
+    def fill(self, sb: RunningBatch, host_f: np.ndarray, host_i: np.ndarray, host_k: np.ndarray) -> dict:
         """Write the settings of sb's rows into host arrays (6, n) f32, (2, n) i64, (n,) i32; return their flags."""
         if sb.all_plain_greedy:  # neutral greedy rows stand for them: nothing to read or follow
             return fill_plain_greedy_rows(host_f, host_i, host_k)
@@ -65,7 +67,7 @@ class SteadySamplingRows:
         host_k[:] = self._i[_TOP_K]
         return self._flags
 
-    def _follow(self, sb: SteadyBatch) -> bool:
+    def _follow(self, sb: RunningBatch) -> bool:
         """Bring the kept arrays from their version to sb's through sb's recorded changes; False when one of them is
         no longer recorded (then every row is read again)."""
         changes = sb.changes_since(self._version)
@@ -81,7 +83,7 @@ class SteadySamplingRows:
         return True
 
     def _add_rows(self, reqs: list) -> None:
-        """The joiners' settings, read from them now with their token count of now (the step index and the count
+        """The joining rows' settings, read from them now with their token count of now (the step index and the count
         move together from here, as the kept rows' do)."""
         f, i = self._read_rows(reqs)
         self._f = np.concatenate([self._f, f], axis=1)
@@ -90,10 +92,12 @@ class SteadySamplingRows:
     @staticmethod
     def _read_rows(reqs: list) -> tuple[np.ndarray, np.ndarray]:
         """The kept arrays' columns for reqs, read from the requests. The step index less the token count is the
-        same whether or not a row's request is synced (SteadyBatch.sync): both fall behind together."""
+        same at any later step: both move by one a step."""
         f, i = request_columns(reqs)
         i[_STEP_LESS_COUNT] -= np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
-        return f, i
+        asked = np.fromiter((_NO_LOGPROBS if r.params.logprobs is None else r.params.logprobs for r in reqs),
+                            dtype=np.int64, count=len(reqs))
+        return f, np.concatenate([i, asked[None]])
 
     def _batch_flags(self) -> dict:
-        return flags_of_rows(self._i[_BITS], self._i[_CUTOFF], _NO_LOGPROBS)
+        return flags_of_rows(self._i[_BITS], self._i[_CUTOFF], int(self._i[_LOGPROBS].max(initial=_NO_LOGPROBS)))

@@ -1,20 +1,23 @@
-"""The steady decode batch: the same running requests step after step, kept in arrays updated in place.
+"""The running batch: every running request, its decode rows kept in arrays updated in place, step after step.
 
-Most steps of a long generation feed one token to every running request and change nothing else. For such a
-run of steps the scheduler, the packer and the result update each work on these arrays with numpy instead of
-walking the requests: the per-request Python that is left is one short loop when a step's tokens arrive (each
-row's token appended to its request). The rows' token counts live in the batch while they are rows: a row's
-request is brought up to date (`sync`) where something reads its counts, and when it leaves.
+A request admitted to run first prefills (its prompt chunks, by the scheduler's token budget); once its prompt is
+done and a step has sampled its first token it becomes a decode row, feeding one token a step. The rows' KV
+positions, block tables, limits and token counts live in numpy arrays, so the scheduler, the packer and the step
+update each work on all rows at once: the per-request Python left is one short loop when a step's tokens arrive
+(each row's token appended to its request). While a request is a row the batch counts its tokens for it (one add a
+step for every row); the request's own counters read the batch (Request.num_computed_tokens), so they are always
+right.
 
-A request that finishes (length, stop token, abort) leaves the run as a deleted row, whose place the last row takes
-(so one row moves, and a slot rewrites one block-table row, not those of every row after it); the other rows keep
-going, and the next step's carry-over reads each row's token from its old row of the step before. A request admitted
-during the run is a joiner: its prefill chunks follow the rows in the same steps, by the general rules, and once
-it has sampled its first token it becomes a row at the end. The update of a step whose rows changed after it was
-packed, or that samples a stop token or nears a length limit, is the general one. A preemption ends the run.
+Rows change as requests come and go: a request that finishes, is preempted or reaches its length limit leaves as a
+deleted row, whose place the last row takes (so one row moves, and a slot rewrites one block-table row, not those of
+every row after it); prefilled requests join at the end. Each change is published in a short log (`changes`: rows
+taken in a new order, rows appended), which per-row state kept elsewhere follows without reading every request (the
+sampling settings: executor/row_sampling.py; a slot's block tables: executor/packer.py). The next step's carry-over
+reads each row's token from its old row of the step before (`src_rows`).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from itertools import compress, count
 
@@ -22,13 +25,14 @@ import numpy as np
 
 from backend.request import Request
 
-_KEPT_CHANGES = 8  # row changes remembered (SteadyBatch.changes): a step's rows change a few times at most
-_SERIALS = count()  # each steady batch's number, so state kept about one (a slot's block tables) names it
+_KEPT_CHANGES = 8  # row changes remembered (RunningBatch.changes): a step's rows change a few times at most
+_SERIALS = count()  # each running batch's number, so state kept about one (a slot's block tables) names it
+_LENGTH_MARGIN = 3  # a packed row this close to its token cap may end at the step: the update checks it
 
 
 @dataclass(slots=True)
 class PackedRows:
-    """The steady rows as one step was packed from them: what that step's update needs once rows left or joined."""
+    """The decode rows as one step was packed from them: what that step's update needs, whatever changed since."""
 
     streamed_rows: list[int]
     streamed_ids: list[str]
@@ -36,13 +40,32 @@ class PackedRows:
     stop_ids: frozenset
     computed: np.ndarray  # (rows,) tokens counted, this step's included (a copy: the batch's columns change in place)
     token_cap: np.ndarray  # (rows,) a copy too
+    checked_rows: np.ndarray | None  # rows the update checks every step (logprobs to report); None: none
 
     def rows_that_may_end(self, tokens: list[int]) -> np.ndarray:
-        """As SteadyBatch.rows_that_may_end, with one more token of margin: these counts predate the next step's."""
-        risky = self.computed + 3 >= self.token_cap
+        """Rows whose token this step the update must check one by one: near a length limit, a token that is one of
+        any row's stop tokens, or a row whose every token is checked."""
+        risky = self.computed + _LENGTH_MARGIN >= self.token_cap
         if not self.stop_ids.isdisjoint(tokens):
             risky |= np.isin(np.asarray(tokens), np.fromiter(self.stop_ids, dtype=np.int64))
+        if self.checked_rows is not None:
+            risky[self.checked_rows] = True
         return risky.nonzero()[0]
+
+    def accept(self, tokens: list[int], keep: list[bool] | None = None) -> None:
+        """Each row's token (with keep: of the rows it marks) appended to its request's outputs."""
+        pairs = zip(self.appends, tokens) if keep is None else compress(zip(self.appends, tokens), keep)
+        for append, tok in pairs:
+            append(tok)
+
+    def events(self, tokens: list[int], keep: list[bool] | None = None) -> list[tuple[str, int]]:
+        """(request_id, token) for each streamed row (with keep: of the rows it marks), made into outputs by the
+        output thread."""
+        if keep is None:
+            if len(self.streamed_rows) == len(self.appends):
+                return list(zip(self.streamed_ids, tokens))
+            return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows)]
+        return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows) if keep[i]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +77,6 @@ class RowsTaken:
     deleted: list[int]
 
 
-def accept_pending(appends: list, tokens: list[int], keep: list[bool] | None = None) -> None:
-    """Request.accept_token for each row (with keep: those it marks) and its token, in one short loop: appends holds
-    each row's output_token_ids.append (a request's pending count follows its token lists)."""
-    pairs = zip(appends, tokens) if keep is None else compress(zip(appends, tokens), keep)
-    for append, tok in pairs:
-        append(tok)
-
-
 def mask_without(n: int, rows: list[int]) -> list[bool]:
     """[True] * n but False at rows."""
     mask = [True] * n
@@ -70,66 +85,69 @@ def mask_without(n: int, rows: list[int]) -> list[bool]:
     return mask
 
 
-class SteadyBatch:
-    """The decoding running requests as rows: their KV positions, block tables and limits as numpy arrays."""
+class RunningBatch:
+    """Every running request: the prefilling ones as a list, the decode rows as numpy arrays updated in place."""
 
-    # per-row int64 arrays: the rows of one matrix (_ints), so a row change rebuilds one array, not six; each name
-    # is a view of its matrix row (in-place updates reach the matrix), rebound whenever the matrix is replaced
+    # per-row int64 arrays: the rows of one matrix (_ints), so a row change rebuilds one array, not several; each
+    # name is a view of its matrix row (in-place updates reach the matrix), rebound whenever the matrix is replaced
     _INTS = ("computed", "kv_slots", "token_cap", "num_blocks", "table_rows", "table_ids", "src_rows")
 
-    def __init__(self, requests: list[Request], block_size: int, max_model_len: int, max_blocks: int) -> None:
+    def __init__(self, block_size: int, max_model_len: int, max_blocks: int) -> None:
         self.serial = next(_SERIALS)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks = max_blocks
-        self.requests = list(requests)
-        self.request_ids = [r.request_id for r in self.requests]
+        self.requests: list[Request] = []  # the decode rows' requests, in row order
+        self.request_ids: list[str] = []
         # each row's output_token_ids.append, replaced (never changed in place) when rows leave or join, so a packed
         # step's rows keep theirs
-        self.appends = [r.output_token_ids.append for r in self.requests]
-        self.last_step_id = max((r.last_step_id for r in self.requests), default=-1)  # the rows' newest step
-        # the steps advanced so far; a row's request counts num_computed_tokens = advances + its offset here (its
-        # own fields fall behind while it is a row; sync writes them). Keyed by request (hashed by identity), so a
-        # finished non-row is found out in O(1)
-        self.advances = 0
-        self._offsets = {r: r.num_computed_tokens for r in self.requests}
+        self.appends: list = []
+        self.streamed: list[bool] = []  # per row, whether its caller streams: an event every step
+        self.last_step_id = -1  # the rows' newest step
+        self.advances = 0  # steps advanced so far: a row counts num_computed_tokens = advances + its own offset
         # (capacity, max_blocks) the rows' KV blocks: row i's in store row table_rows[i], so a row that leaves or
         # joins moves one index, not the tables of the rows after it; a row's entries past its num_blocks are stale
         # (valid block ids, never read)
-        self.table_store = np.zeros((max(2 * len(self.requests), 16), max_blocks), dtype=np.int32)
+        self.table_store = np.zeros((16, max_blocks), dtype=np.int32)
         self._free_store_rows = list(range(len(self.table_store) - 1, -1, -1))  # a stack, the lowest row on top
         # each row's store row gets a number never given before in this batch (table_ids), so a slot can tell the
         # block-table rows it holds from a store row reused by a later row
         self._table_ids = count()
-        # per row, its row in the step packed last (carry-over reads that step's sampled token from there)
-        self._set_arrays(self._columns(self.requests, range(len(self.requests))))
-        # per row, whether its caller streams: it gets a (request_id, token) event every step
-        self.streamed = [not r.final_only for r in self.requests]
-        # any row's stop token: a step that samples one goes to the general update, which checks each row
-        self.stop_ids = frozenset().union(*(r.stop_ids for r in self.requests))
-        self.all_plain_greedy = all(r.plain_greedy for r in self.requests)
-        self.any_edits_logits = any(r.edits_logits for r in self.requests)  # stays set once a row had edits
-        self._arange = np.arange(2 * len(self.requests))
+        self._arange = np.arange(16)
+        self._set_arrays(np.zeros((len(self._INTS), 0), dtype=np.int64))
+        # the rows' tokens that end a request, each with the number of rows it ends: a step that samples one is
+        # checked row by row; and how many rows are not plain greedy, edit logits, or report logprobs
+        self._stop_counts: Counter = Counter()
+        self.stop_ids: frozenset = frozenset()
+        self._not_plain = self._editing = 0
+        self._checked: set[Request] = set()  # rows whose every token the update checks: they report logprobs
         self._index_rows()
         self.version = 0  # bumped whenever rows leave or join: a step packed under another version has other rows
         # how each recent version came from the one before: ("take", RowsTaken) or ("append", requests added at the
-        # end), so per-row state kept elsewhere can follow the rows without reading
-        # every request
+        # end), so per-row state kept elsewhere can follow the rows without reading every request
         self.changes: dict[int, tuple[str, object]] = {}
-        # running requests admitted during the run, not rows yet (prefilling); and, for those the step packed last
-        # sampled, their output row there
-        self.joiners: list[Request] = []
-        self.joiner_rows: dict[int, int] = {}
+        # running requests that prefill (not rows yet); and, for those the step packed last sampled, their output
+        # row there
+        self.prefilling: list[Request] = []
+        self.prefill_rows: dict[int, int] = {}
         self.packed_rows: dict[int, PackedRows] = {}  # by version: the rows of the steps packed lately
+
+    @property
+    def all_plain_greedy(self) -> bool:
+        """Every row samples its argmax with nothing to edit or report (Request.plain_greedy)."""
+        return not self._not_plain
+
+    @property
+    def any_edits_logits(self) -> bool:
+        return bool(self._editing)
 
     def _columns(self, reqs: list[Request], src_rows) -> np.ndarray:
         """The per-row values for reqs, read from the requests themselves: (len(_INTS), rows) ints."""
         cap, bs = self.max_model_len, self.block_size
-        # computed: tokens whose KV is written or queued (== request.num_computed_tokens while this batch is
-        # current); kv_slots: the KV cache slot of the last of them (a row's blocks cover its tokens exactly, so the
-        # next position lies in its last block or in the block added for it); token_cap: a row may take a steady
-        # step only while its token count stays below it (max_tokens, max_model_len); src_rows: its row in the step
-        # packed last (carry-over reads that step's sampled token from there)
+        # computed: tokens whose KV is written or queued; kv_slots: the KV cache slot of the last of them (a row's
+        # blocks cover its tokens exactly, so the next position lies in its last block or in the block added for
+        # it); token_cap: a row may take a step only while its token count stays below it (max_tokens,
+        # max_model_len); src_rows: its row in the step packed last (carry-over reads that step's sampled token)
         rows = self._store_tables(reqs)
         return np.array([[r.num_computed_tokens for r in reqs],
                          [r.block_ids[(r.num_computed_tokens - 1) // bs] * bs + (r.num_computed_tokens - 1) % bs
@@ -140,7 +158,7 @@ class SteadyBatch:
                          [next(self._table_ids) for _ in rows],
                          list(src_rows)], dtype=np.int64).reshape(len(self._INTS), len(reqs))
 
-    def _store_tables(self, reqs: list[Request]) -> np.ndarray:
+    def _store_tables(self, reqs: list[Request]) -> list[int]:
         """Write reqs' blocks into free rows of the table store (it doubles when too few are free); their rows."""
         free = self._free_store_rows
         if len(reqs) > len(free):
@@ -182,19 +200,28 @@ class SteadyBatch:
         self.rows = self._arange[:n]  # 0, 1, ..., n - 1 (a view: never written)
 
     def __len__(self) -> int:
+        """The decode rows (the prefilling requests are not counted)."""
         return len(self.requests)
 
+    def admit(self, req: Request) -> None:
+        """A request starts running: it prefills, then becomes a row."""
+        self.prefilling.append(req)
+
     def remove(self, req: Request) -> None:
-        """A request finished: delete its row (nothing happens if it is not one of the rows any more)."""
-        if req in self.joiners:
-            self.joiners.remove(req)
-            return
-        if req in self._offsets:  # most finishing requests left the rows already (retired at their length limit)
+        """A request finished or was preempted: it leaves (nothing happens if it is neither a row nor prefilling)."""
+        if req.row_batch is self:
             self._delete(np.array([self.requests.index(req)]))
+        elif req in self.prefilling:
+            self.prefilling.remove(req)
+
+    def release_all(self) -> None:
+        """Every row's request takes its counts back (the engine failed or stopped them all; the batch is dropped)."""
+        for req in self.requests:
+            req.leave_rows()
 
     def retire_rows_at_length_limit(self) -> None:
         """Rows whose next step would reach max_tokens or max_model_len feed nothing more: their last token is
-        still on the device, and its update finishes them. They leave the run now."""
+        still on the device, and its update finishes them. They leave the rows now."""
         rows = (self.computed + 1 >= self.token_cap).nonzero()[0]
         if rows.size:
             self._delete(rows)
@@ -207,7 +234,8 @@ class SteadyBatch:
         lists, ints = (self.requests, self.request_ids, self.streamed, appends), self._ints
         order, m = np.arange(len(self.requests)), len(self.requests)
         for row in sorted(rows.tolist(), reverse=True):  # the last row is never one still to delete
-            self._hand_back((self.requests[row],))
+            self._count_flags(self.requests[row], -1)
+            self.requests[row].leave_rows()
             m -= 1
             for values in lists:
                 last = values.pop()
@@ -222,41 +250,63 @@ class SteadyBatch:
         self._index_rows()
         self._changed(("take", RowsTaken(order, rows.tolist())))
 
+    def _count_flags(self, req: Request, sign: int) -> None:
+        """A row joins (sign 1) or leaves (-1): the batch's counts of rows by kind follow."""
+        self._not_plain += sign * (not req.plain_greedy)
+        self._editing += sign * req.edits_logits
+        if req.params.logprobs is not None:
+            if sign > 0:
+                self._checked.add(req)
+            else:
+                self._checked.discard(req)
+        if req.stop_ids:
+            counts = self._stop_counts
+            for tok in req.stop_ids:
+                counts[tok] += sign
+                if not counts[tok]:
+                    del counts[tok]
+            self.stop_ids = frozenset(counts)
+
     def packed(self, sampled: list[Request]) -> None:
-        """A step was packed from these rows (then the joiners' rows of `sampled`, the step's sampled requests):
-        the next step carries over from it row for row."""
+        """A step was packed from these rows (then the prefilling requests' rows of `sampled`, the step's sampled
+        requests): the next step carries over from it row for row."""
         self.src_rows[:] = self.rows  # in place: src_rows is a row of the matrix
         n = len(self.requests)
-        self.joiner_rows = {id(r): row for row, r in enumerate(sampled[n:], start=n)} if len(sampled) > n else {}
+        self.prefill_rows = {id(r): row for row, r in enumerate(sampled[n:], start=n)} if len(sampled) > n else {}
+        checked = None
+        if self._checked:
+            checked = np.array([row for row, req in enumerate(self.requests) if req in self._checked], dtype=np.int64)
         # the lists below are replaced, never changed in place, when rows leave or join: references suffice
         self.packed_rows[self.version] = PackedRows(self.streamed_rows, self.streamed_ids, self.appends, self.stop_ids,
-                                                    self.computed.copy(), self.token_cap.copy())
+                                                    self.computed.copy(), self.token_cap.copy(), checked)
         while len(self.packed_rows) > 3:  # the steps in flight need theirs; versions may jump several a step
             del self.packed_rows[next(iter(self.packed_rows))]  # the oldest (dicts keep insertion order)
 
-    def take_joiners(self) -> None:
-        """Joiners whose prompt is done and whose first token the last step sampled become rows (at the end), all
-        in one append: the arrays and the row index are rebuilt once however many join."""
-        ready = [(req, self.joiner_rows.get(id(req))) for req in self.joiners]
+    def promote_prefilled(self) -> None:
+        """Prefilling requests whose prompt is done and whose first token the last step sampled become rows (at the
+        end), all in one append: the arrays and the row index are rebuilt once however many join."""
+        ready = [(req, self.prefill_rows.get(id(req))) for req in self.prefilling]
         ready = [(req, src) for req, src in ready
                  if src is not None and req.num_tokens - req.num_computed_tokens == 1
-                 and req.num_computed_tokens >= req.num_prompt_tokens and self.eligible(req)]
+                 and req.num_computed_tokens >= req.num_prompt_tokens]
         if not ready:
             return
         joined = {id(req) for req, _ in ready}
-        self.joiners = [req for req in self.joiners if id(req) not in joined]
+        self.prefilling = [req for req in self.prefilling if id(req) not in joined]
         self._append([req for req, _ in ready], np.array([src for _, src in ready]))
 
     def _append(self, reqs: list[Request], src_rows: np.ndarray) -> None:
         self.requests.extend(reqs)
         self.appends = self.appends + [r.output_token_ids.append for r in reqs]
-        self._offsets.update((r, r.num_computed_tokens - self.advances) for r in reqs)
         self.request_ids.extend(r.request_id for r in reqs)
         self.streamed.extend(not r.final_only for r in reqs)
         self._set_arrays(np.concatenate([self._ints, self._columns(reqs, src_rows.tolist())], axis=1))
-        self.stop_ids = self.stop_ids.union(*(r.stop_ids for r in reqs))
-        self.all_plain_greedy = self.all_plain_greedy and all(r.plain_greedy for r in reqs)
-        self.any_edits_logits = self.any_edits_logits or any(r.edits_logits for r in reqs)
+        # the rows' newest step: the one that sampled the joining rows' tokens is the step packed last, which holds
+        # every row there was then too
+        self.last_step_id = max(self.last_step_id, max(r.last_step_id for r in reqs))
+        for req in reqs:
+            self._count_flags(req, 1)
+            req.join_rows(self)
         self._index_rows()
         self._changed(("append", list(reqs)))
 
@@ -275,6 +325,8 @@ class SteadyBatch:
     def rows_gone_since(self, version: int, n: int) -> list[int] | None:
         """Of the n rows the batch had at `version`, those that are no longer rows now (ascending), from the recorded
         changes; None when a change since then is no longer recorded."""
+        if version == self.version:
+            return []
         changes = self.changes_since(version)
         if changes is None:
             return None
@@ -295,18 +347,9 @@ class SteadyBatch:
         gone[np.minimum(origin, n)] = False
         return gone[:n].nonzero()[0].tolist()
 
-    @staticmethod
-    def eligible(req: Request) -> bool:
-        """A request a steady run can carry as a row: no logprobs (they need the general read and update)."""
-        return req.params.logprobs is None
-
     def rows_needing_block(self) -> np.ndarray:
         """Rows whose next token starts a KV block they do not hold yet."""
         return (self.computed >= self.num_blocks * self.block_size).nonzero()[0]
-
-    def add_block(self, row: int, block: int) -> None:
-        """The row's next token starts a block: this one."""
-        self.add_blocks(np.array([row]), [block])
 
     def add_blocks(self, rows: np.ndarray, blocks: list[int]) -> None:
         """Each of rows (distinct rows) starts its next token in a new block: the one of blocks at its place."""
@@ -315,53 +358,8 @@ class SteadyBatch:
         self.kv_slots[rows] = np.asarray(blocks) * self.block_size - 1  # the next advance moves each to its first slot
 
     def advance(self, step_id: int) -> None:
-        """Count one scheduled token for every row, in the batch only: its arrays, its count of steps and the rows'
-        newest step (last_step_id). The requests' own counters follow when synced (sync, and when they leave)."""
+        """Count one scheduled token for every row: its arrays, its count of steps (which the rows' requests read)
+        and the rows' newest step."""
         self.advances += 1
         self.last_step_id = step_id
         self._ints[:2] += 1  # computed and kv_slots: one more token each, in its row's last block
-
-    def sync(self, req: Request) -> None:
-        """Bring req's token counts and newest step up to date if it is a row (nothing happens otherwise). A row
-        holds exactly one token not fed yet (the one it sampled last), as when it joined."""
-        offset = self._offsets.get(req)
-        if offset is not None:
-            req.num_computed_tokens = computed = self.advances + offset
-            req.num_tokens = computed + 1
-            req.last_step_id = self.last_step_id
-
-    def sync_rows(self) -> None:
-        """sync for every row (before code that reads every row's counts: logit edits, penalties)."""
-        for req in self.requests:
-            self.sync(req)
-
-    def rows_that_may_end(self, tokens: list[int]) -> np.ndarray:
-        """Rows this step's tokens may end, which the general update must look at: near a length limit, or a
-        token that is one of any row's stop tokens."""
-        risky = self.computed + 2 >= self.token_cap  # (rows,)
-        if not self.stop_ids.isdisjoint(tokens):
-            risky |= np.isin(np.asarray(tokens), np.fromiter(self.stop_ids, dtype=np.int64))
-        return risky.nonzero()[0]
-
-    def accept(self, tokens: list[int], keep: list[bool] | None = None) -> None:
-        """Every row's pending token (with keep: the rows it marks) arrived and ends no request."""
-        accept_pending(self.appends, tokens, keep)
-
-    def release_rows(self) -> None:
-        """The batch is no longer the scheduler's: its rows' requests take their counts and newest step back."""
-        self._hand_back(list(self.requests))
-
-    def _hand_back(self, reqs) -> None:
-        """Requests leaving the rows: their own counts are current again (the batch kept them meanwhile)."""
-        for req in reqs:
-            self.sync(req)
-            del self._offsets[req]
-
-    def events(self, tokens: list[int], keep: list[bool] | None = None) -> list[tuple[str, int]]:
-        """(request_id, token) for each streamed row (with keep: of the rows it marks), made into outputs by the
-        output thread."""
-        if keep is None:
-            if len(self.streamed_rows) == len(self.requests):
-                return list(zip(self.request_ids, tokens))
-            return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows)]
-        return [(rid, tokens[i]) for rid, i in zip(self.streamed_ids, self.streamed_rows) if keep[i]]
