@@ -7,9 +7,37 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from backend.executor.sampler import _NUM_FLOAT_FIELDS, SamplingTensors, _penalty_tokens, _to_device, \
-    assemble_tensors, fill_host_rows, fill_padding_rows
+from backend.executor.sampler import _NUM_FLOAT_FIELDS, SamplingTensors, _most_logprobs, _param_columns, \
+    _seeds_array, _to_device, fill_padding_rows, pad_token_table, row_flags, tensors_from_rows
 from backend.request import SamplingParams
+
+
+def fill_host_rows(params, seeds, step_indices, host_f, host_i, host_k) -> dict:
+    """Write per-row settings into host arrays (6, n) f32, (2, n) i64, (n,) i32; return the host flags."""
+    n = len(params)
+    if len(seeds) != n or len(step_indices) != n:
+        raise ValueError(f"need one seed and one step index per row: {n} rows, {len(seeds)} seeds, "
+                         f"{len(step_indices)} step indices")
+    if n == 0:
+        raise ValueError("a sampling batch needs at least one row")
+    host_f[:], host_k[:] = _param_columns(params)
+    host_i[0] = _seeds_array(seeds)
+    host_i[1] = np.asarray(step_indices, dtype=np.int64)
+    return row_flags(host_f, host_k, _most_logprobs(params))
+
+
+def _penalty_tokens(any_penalty, prompt_token_ids, output_token_ids, size, device):
+    """(size, L) int64 token tables padded with -1, or (None, None) when no row has a penalty."""
+    if not any_penalty:
+        return None, None
+    if prompt_token_ids is None or output_token_ids is None:
+        raise ValueError("penalties need prompt_token_ids and output_token_ids for every row")
+    return pad_token_table(prompt_token_ids, size, device), pad_token_table(output_token_ids, size, device)
+
+
+def assemble_tensors(dev_f, dev_i, dev_k, prompt, output, flags) -> SamplingTensors:
+    """SamplingTensors over device arrays (6, B) f32, (2, B) i64 and (B,) i32 (fill_host_rows' layout)."""
+    return tensors_from_rows((*dev_f.unbind(0), *dev_i.unbind(0), dev_k), prompt, output, flags)
 
 
 def sampling_tensors_from_params(

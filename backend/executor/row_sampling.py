@@ -21,7 +21,7 @@ def fill_plain_greedy_rows(host_f: np.ndarray, host_i: np.ndarray, host_k: np.nd
 
 
 def merge_flags(a: dict, b: dict) -> dict:
-    """The host flags of rows a followed by rows b (fill_host_rows' flags of each part)."""
+    """The host flags of rows a followed by rows b (the flags of each part)."""
     return dict(
         all_greedy=a["all_greedy"] and b["all_greedy"],
         any_top_k=a["any_top_k"] or b["any_top_k"],
@@ -47,7 +47,7 @@ class RowSamplingSettings:
     def __init__(self) -> None:
         self._batch: RunningBatch | None = None
         self._version = -1
-        self._f: np.ndarray | None = None  # (6, rows) float32: the float settings, as fill_host_rows writes them
+        self._f: np.ndarray | None = None  # (6, rows) float32: the float settings, as request_columns reads them
         # (6, rows) int64: seed, step index less token count, top_k (int32 range), top-k cutoff in force (0: none),
         # flag bits (sampler.request_columns), logprobs asked (-1: none)
         self._i: np.ndarray | None = None

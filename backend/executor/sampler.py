@@ -63,20 +63,6 @@ class SamplingTensors:
         return self.temperature.shape[0]
 
 
-def fill_host_rows(params, seeds, step_indices, host_f, host_i, host_k) -> dict:
-    """Write per-row settings into host arrays (6, n) f32, (2, n) i64, (n,) i32; return the host flags."""
-    n = len(params)
-    if len(seeds) != n or len(step_indices) != n:
-        raise ValueError(f"need one seed and one step index per row: {n} rows, {len(seeds)} seeds, "
-                         f"{len(step_indices)} step indices")
-    if n == 0:
-        raise ValueError("a sampling batch needs at least one row")
-    host_f[:], host_k[:] = _param_columns(params)
-    host_i[0] = _seeds_array(seeds)
-    host_i[1] = np.asarray(step_indices, dtype=np.int64)
-    return row_flags(host_f, host_k, _most_logprobs(params))
-
-
 def _param_columns(params) -> tuple[np.ndarray, np.ndarray]:
     """The float settings (6, n) float32 and top_k (n,) capped to int32 of params, by C-level iteration over them
     (~0.2 us per row, no per-row numpy calls)."""
@@ -94,8 +80,8 @@ def _most_logprobs(params) -> int:
 
 
 def fill_request_rows(reqs, host_f, host_i, host_k) -> dict:
-    """fill_host_rows for requests: each one's settings, seed and step index (its outputs before the token this step
-    samples)."""
+    """Per-row settings of requests into host arrays (6, n) f32, (2, n) i64, (n,) i32: each one's settings, seed
+    and step index (its outputs before the token this step samples); returns the host flags."""
     f, ints = request_columns(reqs)
     host_f[:] = f
     host_i[:] = ints[:2]
@@ -111,7 +97,8 @@ _FEW_ROWS = 16  # request_columns reads up to this many rows with per-row Python
 def request_columns(reqs) -> tuple[np.ndarray, np.ndarray]:
     """fill_request_rows' settings of reqs and each row's flag bits: (6, m) float32 as host_f, and (5, m) int64 rows:
     seed (its low 64 bits), step index, top_k (capped to int32), the top-k cutoff in force (0: none) and the flag
-    bits (row_bits). A few rows (rows joining the decode rows, prefill rows) are read row by row, more with a few numpy calls."""
+    bits (row_bits). A few rows (rows joining the decode rows, prefill rows) are read row by row, more with a few
+    numpy calls."""
     if len(reqs) > _FEW_ROWS:
         floats, top_k = _param_columns([r.params for r in reqs])
         steps = np.fromiter((r.num_tokens - r.num_prompt_tokens - 1 for r in reqs), dtype=np.int64, count=len(reqs))
@@ -191,15 +178,6 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
 
 
-def _penalty_tokens(any_penalty, prompt_token_ids, output_token_ids, size, device):
-    """(size, L) int64 token tables padded with -1, or (None, None) when no row has a penalty."""
-    if not any_penalty:
-        return None, None
-    if prompt_token_ids is None or output_token_ids is None:
-        raise ValueError("penalties need prompt_token_ids and output_token_ids for every row")
-    return pad_token_table(prompt_token_ids, size, device), pad_token_table(output_token_ids, size, device)
-
-
 def pad_token_table(rows: Sequence[Sequence[int]], size: int, device: torch.device) -> torch.Tensor:
     """Ragged token lists to a (size, max_len) int64 table padded with -1, in one C-level pass."""
     if len(rows) > size:
@@ -214,11 +192,6 @@ def pad_token_table(rows: Sequence[Sequence[int]], size: int, device: torch.devi
         flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
     table[np.arange(width) < lengths[:, None]] = flat  # row-major fill matches the concatenation order
     return _to_device(table, device)
-
-
-def assemble_tensors(dev_f, dev_i, dev_k, prompt, output, flags) -> SamplingTensors:
-    """SamplingTensors over device arrays (6, B) f32, (2, B) i64 and (B,) i32 (fill_host_rows' layout)."""
-    return tensors_from_rows((*dev_f.unbind(0), *dev_i.unbind(0), dev_k), prompt, output, flags)
 
 
 def tensors_from_rows(rows: tuple[torch.Tensor, ...], prompt, output, flags) -> SamplingTensors:

@@ -10,6 +10,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from backend import Engine, EngineConfig, SamplingParams
+from tests.sampling_helpers import fill_host_rows
 from tests.tiny_models import build_tiny, hf_greedy, hf_model, kv_blocks_used_after_settling, random_prompts, \
     word_tokenizer
 
@@ -387,7 +388,7 @@ def test_row_sampling_settings_follow_rows_leaving_and_joining():
         row_sampling.request_columns = real
     assert reads == [2]  # the two joiners only
     want = arrays(len(rb))
-    want_flags = sampler.fill_host_rows([r.params for r in rb.requests], [r.seed for r in rb.requests],
+    want_flags = fill_host_rows([r.params for r in rb.requests], [r.seed for r in rb.requests],
                                         [r.num_output_tokens - 1 for r in rb.requests], *want)
     assert [r.request_id for r in rb.requests] == ["r7", "r5", "r2", "r3", "r6"]  # each hole taken by the last row
     for g, w in zip(got, want):
@@ -436,7 +437,7 @@ def test_plain_greedy_rows_sample_as_neutral_greedy_rows_without_reading_a_reque
         row_sampling.request_columns = real
     assert reads == [len(rb)]  # every row's own settings, read once
     want = arrays(len(rb))
-    want_flags = sampler.fill_host_rows([r.params for r in rb.requests], [r.seed for r in rb.requests],
+    want_flags = fill_host_rows([r.params for r in rb.requests], [r.seed for r in rb.requests],
                                         [r.num_output_tokens - 1 for r in rb.requests], *want)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
@@ -481,7 +482,7 @@ def test_plain_greedy_rows_of_a_step_are_packed_as_neutral_greedy_rows_without_r
             want = np.zeros((6, 4), np.float32), np.zeros((2, 4), np.int64), np.zeros(4, np.int32)
             assert reads == ([len(reqs)] if read else [])  # every row's settings read, or none
             if read:
-                want_flags = sampler.fill_host_rows([r.params for r in reqs], [r.seed for r in reqs],
+                want_flags = fill_host_rows([r.params for r in reqs], [r.seed for r in reqs],
                                                     [r.num_tokens - r.num_prompt_tokens - 1 for r in reqs],
                                                     want[0][:, :n], want[1][:, :n], want[2][:n])
             else:

@@ -204,14 +204,15 @@ def test_preallocated_buffers_keep_addresses_and_pad_greedy_rows():
 
 
 def test_request_columns_equal_the_host_rows_and_their_bits_the_flags():
-    """The request read (rows joining the decode rows, prefill rows, many rows at once) writes what fill_host_rows writes
-    from the same params, seeds and step indices, and its per-row flag bits give row_flags' flags (logprobs asked
-    included) for every subset of rows: float32 edges (a temperature that is 0 in float32, a top_p that rounds to
+    """The request read (rows joining the decode rows, prefill rows, many rows at once) writes what fill_host_rows
+    writes from the same params, seeds and step indices, and its per-row flag bits give row_flags' flags (logprobs
+    asked included) for every subset of rows: float32 edges (a temperature that is 0 in float32, a top_p that rounds to
     1), top_k past int32, seeds past int63, greedy rows with sampling settings."""
     import itertools
     import random
 
-    from backend.executor.sampler import fill_host_rows, fill_request_rows, flags_of_bits, request_columns, row_flags
+    from backend.executor.sampler import fill_request_rows, flags_of_bits, request_columns, row_flags
+    from tests.sampling_helpers import fill_host_rows
     from backend.request import Request
 
     settings = [dict(temperature=0.0), dict(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2),
