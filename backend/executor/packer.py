@@ -228,7 +228,9 @@ class SlotPacker:
             fill_padding_rows(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])
         prompt = output = None
         if flags["any_penalty"]:
-            prompt = pad_token_table([r.prompt_token_ids for r in reqs], rows, self.device)
+            # prompts from their int64 arrays (made off the loop) where they have one: a copy, no list of ints read
+            prompt = pad_token_table([r.prompt_token_ids if r.prompt_array is None else r.prompt_array for r in reqs],
+                                     rows, self.device)
             # outputs before this step's input token; the input token itself is appended on the device
             output = pad_token_table([r.output_token_ids[:max(0, r.num_computed_tokens - 1 - r.num_prompt_tokens)]
                                       for r in reqs], rows, self.device)
