@@ -7,6 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from backend.core.row_state import RowState
+from backend.core.running_batch import RunningBatch
 from backend.request import Request
 
 _ALWAYS = -1  # an edit that holds whatever the row's last token is
@@ -41,8 +43,30 @@ class LogitEdits:
         logits.index_put_((self.rows, self.tokens), values.to(logits.dtype), accumulate=True)
 
 
+@dataclass(frozen=True, slots=True)
+class FixedEdits:
+    """A request's edits that hold at every step: logit_bias, bad words of one token, its allowed set."""
+
+    tokens: list[int]
+    values: list[float]
+    allowed: list[int]
+
+
+def fixed_edits(req: Request) -> FixedEdits | None:
+    """req's fixed edits; None for a request that edits no logits (Request.edits_logits)."""
+    if not req.edits_logits:
+        return None
+    p = req.params
+    tokens, values = list(p.logit_bias), list(p.logit_bias.values())
+    for word in req.bad_word_ids:
+        if len(word) == 1:
+            tokens.append(word[0])
+            values.append(float("-inf"))
+    return FixedEdits(tokens, values, list(p.allowed_token_ids))
+
+
 @dataclass(slots=True)
-class _EditLists:
+class EditLists:
     """A step's edits gathered on the host, row by row, before they go to the device as a few index tensors."""
 
     rows: list[int]
@@ -53,20 +77,32 @@ class _EditLists:
     allowed_tokens: list[int]
     restricted: list[int]
 
-    def add(self, j: int, req: Request) -> None:
-        """Sampled row j's edits: min_tokens stop bans, logit_bias, bad-word bans, its allowed set."""
+    @classmethod
+    def empty(cls) -> "EditLists":
+        return cls([], [], [], [], [], [], [])
+
+    def __bool__(self) -> bool:
+        return bool(self.rows or self.restricted)
+
+    def add(self, j: int, req: Request, fixed: FixedEdits) -> None:
+        """Sampled row j's edits: its fixed ones, min_tokens stop bans and the bans of bad words of several tokens
+        (they follow its tokens)."""
+        if fixed.tokens:
+            n = len(fixed.tokens)
+            self.rows += [j] * n
+            self.tokens += fixed.tokens
+            self.values += fixed.values
+            self.when += [_ALWAYS] * n
+        if fixed.allowed:
+            self.restricted.append(j)
+            self.allowed_rows += [j] * len(fixed.allowed)
+            self.allowed_tokens += fixed.allowed
         p = req.params
         if p.min_tokens and req.num_output_tokens - 1 < p.min_tokens:  # no stop token before the minimum
             for t in sorted(req.stop_ids):
                 self._edit(j, t, float("-inf"), _ALWAYS)
-        for t, bias in p.logit_bias.items():
-            self._edit(j, t, bias, _ALWAYS)
         for t, last in _bad_word_bans(req):
             self._edit(j, t, float("-inf"), last)
-        if p.allowed_token_ids:
-            self.restricted.append(j)
-            self.allowed_rows += [j] * len(p.allowed_token_ids)
-            self.allowed_tokens += p.allowed_token_ids
 
     def _edit(self, row: int, token: int, value: float, when: int) -> None:
         self.rows.append(row)
@@ -95,22 +131,59 @@ class _EditLists:
         return edits
 
 
-def logit_edits(sampled: Sequence[Request], device: torch.device, first: int = 0) -> LogitEdits | None:
-    """The edits for a step's sampled rows (in row order) from row `first` on (the rows before it have none); None
-    when no row has any. A bad word whose prefix ends on the token still on the device (the asynchronous pipeline's
-    carry-over) is checked there."""
-    lists = _EditLists([], [], [], [], [], [], [])
-    for j in range(first, len(sampled)):
-        if sampled[j].edits_logits:
-            lists.add(j, sampled[j])
-    if not lists.rows and not lists.restricted:
-        return None
-    return lists.to_device(device)
+class RowLogitEdits(RowState):
+    """The decode rows' fixed edits (FixedEdits), kept per row and following the running batch's row changes, so a
+    step reads only its editing rows' moving edits (min_tokens bans, bad words of several tokens) from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._entries: list[FixedEdits | None] = []
+        self._editing: list[int] = []  # the rows whose entry is not None
+
+    def gather(self, rb: RunningBatch, lists: EditLists) -> None:
+        """The edits of rb's rows (the step's first sampled rows, in row order) into lists."""
+        if not rb.any_edits_logits:  # nothing to read or follow
+            return
+        self.follow(rb)
+        requests, entries = rb.requests, self._entries
+        for j in self._editing:
+            lists.add(j, requests[j], entries[j])
+
+    def _read(self, reqs: list) -> list[FixedEdits | None]:
+        return [fixed_edits(req) for req in reqs]
+
+    def _reset(self, entries: list[FixedEdits | None]) -> None:
+        self._entries = entries
+
+    def _take(self, order) -> None:
+        entries = self._entries
+        self._entries = [entries[i] for i in order.tolist()]
+
+    def _append(self, entries: list[FixedEdits | None]) -> None:
+        self._entries = self._entries + entries
+
+    def _changed(self) -> None:
+        self._editing = [j for j, entry in enumerate(self._entries) if entry is not None]
+
+
+def step_logit_edits(rows: RowLogitEdits, rb: RunningBatch, sampled: Sequence[Request], device: torch.device
+                     ) -> LogitEdits | None:
+    """The edits for a step's sampled rows (in row order): the decode rows' (rb's rows, leading them) kept per row,
+    the prefill rows' read from their requests; None when no row has any. A bad word whose prefix ends on the
+    token still on the device (the asynchronous pipeline's carry-over) is checked there."""
+    lists = EditLists.empty()
+    rows.gather(rb, lists)
+    for j in range(len(rb), len(sampled)):
+        req = sampled[j]
+        if req.edits_logits:
+            lists.add(j, req, fixed_edits(req))
+    return lists.to_device(device) if lists else None
 
 
 def _bad_word_bans(req: Request) -> list[tuple[int, int]]:
-    """(token, required last token) for each bad word whose next token would complete it; the required last token
-    is _ALWAYS when the host already knows the tokens before it."""
+    """(token, required last token) for each bad word of several tokens whose next token would complete it; the
+    required last token is _ALWAYS when the host already knows the tokens before it (a bad word of one token is a
+    fixed edit: FixedEdits)."""
     if not req.bad_word_ids:
         return []
     known = req.output_token_ids
@@ -118,11 +191,9 @@ def _bad_word_bans(req: Request) -> list[tuple[int, int]]:
     bans = []
     for word in req.bad_word_ids:
         prefix, last = word[:-1], word[-1]
-        if not prefix:
-            bans.append((last, _ALWAYS))
-        elif len(known) + unknown < len(prefix):
+        if not prefix or len(known) + unknown < len(prefix):
             continue
-        elif unknown == 0:
+        if unknown == 0:
             if known[len(known) - len(prefix):] == prefix:
                 bans.append((last, _ALWAYS))
         else:  # the prefix's last token is the one on the device: the device checks it

@@ -10,6 +10,7 @@ from backend.core.kv_cache import NULL_BLOCK
 from backend.core.scheduler import ScheduledBatch
 from backend.core.running_batch import RunningBatch
 from backend.executor.launch_plan import LaunchPlan
+from backend.executor.logit_rules import LogitEdits, RowLogitEdits, step_logit_edits
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
 from backend.executor.sampler import SamplingTensors, fill_padding_rows, fill_request_rows, pad_token_table, \
     tensors_from_rows
@@ -28,6 +29,7 @@ class SlotPacker:
         self.device = device
         self._arange = np.arange(layout.max_seqs + 1)  # query_start_loc and logits_idx of decode-only steps
         self._row_sampling = RowSamplingSettings()  # the decode rows' settings, following the rows' changes
+        self._row_edits = RowLogitEdits()  # the decode rows' fixed logit edits, following them too
 
     def pack(self, batch: ScheduledBatch, prev: StepState | None) -> StepState:
         """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
@@ -210,6 +212,11 @@ class SlotPacker:
         flags = dict(all_greedy=False, any_top_k=top_k, any_top_p=True, any_min_p=True, any_penalty=False,
                      num_logprobs=-1)
         return tensors_from_rows(slot.sampling_views(rows), None, None, flags)
+
+    def logit_edits(self, st: StepState) -> LogitEdits | None:
+        """The step's logit edits on the device (min_tokens bans, logit_bias, allowed_token_ids, bad_words); None
+        when no sampled row has any."""
+        return step_logit_edits(self._row_edits, st.batch.rows, st.sampled, self.device)
 
     def sampling_rows(self, st: StepState, rows: int) -> SamplingTensors:
         """Fill the slot's sampling rows on the host; return the device views the sampler reads."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from backend.core.row_state import RowState
 from backend.core.running_batch import RunningBatch
 from backend.executor.sampler import fill_padding_rows, flags_of_rows, request_columns
 
@@ -33,20 +34,19 @@ def merge_flags(a: dict, b: dict) -> dict:
     )
 
 
-class RowSamplingSettings:
+class RowSamplingSettings(RowState):
     """Per-row settings of a running batch's decode rows, kept while its rows stay the same and following them as they
     change.
 
     Within a version only each row's step index moves, by one a step for every row, as its token count does: the
     kept value is the step index less the token count, and the step index is that plus the count of now. When rows
-    leave or join, the kept arrays follow the batch's recorded changes (rows taken in their new order, joining rows'
-    settings read and added at the end), so only the joining rows' requests are read; the batch's flags come from
-    each row's kept flag bits by one OR and its top-k cutoffs by one max. Reading every request's parameters for 256
-    rows costs a few hundred microseconds of Python; following a change costs a few."""
+    leave or join, the kept arrays follow the batch's recorded changes (RowState), so only the joining rows' requests
+    are read; the batch's flags come from each row's kept flag bits by one OR and its top-k cutoffs by one max.
+    Reading every request's parameters for 256 rows costs a few hundred microseconds of Python; following a change
+    costs a few."""
 
     def __init__(self) -> None:
-        self._batch: RunningBatch | None = None
-        self._version = -1
+        super().__init__()
         self._f: np.ndarray | None = None  # (6, rows) float32: the float settings, as request_columns reads them
         # (6, rows) int64: seed, step index less token count, top_k (int32 range), top-k cutoff in force (0: none),
         # flag bits (sampler.request_columns), logprobs asked (-1: none)
@@ -57,47 +57,32 @@ class RowSamplingSettings:
         """Write the settings of sb's rows into host arrays (6, n) f32, (2, n) i64, (n,) i32; return their flags."""
         if sb.all_plain_greedy:  # neutral greedy rows stand for them: nothing to read or follow
             return fill_plain_greedy_rows(host_f, host_i, host_k)
-        if sb is not self._batch or (sb.version != self._version and not self._follow(sb)):
-            self._f, self._i = self._read_rows(sb.requests)
-            self._batch, self._version = sb, sb.version
-            self._flags = self._batch_flags()
+        self.follow(sb)
         host_f[:] = self._f
         host_i[0] = self._i[_SEED]
         np.add(self._i[_STEP_LESS_COUNT], sb.computed, out=host_i[1])
         host_k[:] = self._i[_TOP_K]
         return self._flags
 
-    def _follow(self, sb: RunningBatch) -> bool:
-        """Bring the kept arrays from their version to sb's through sb's recorded changes; False when one of them is
-        no longer recorded (then every row is read again)."""
-        changes = sb.changes_since(self._version)
-        if changes is None:
-            return False
-        for kind, change in changes:
-            if kind == "take":
-                self._f, self._i = self._f[:, change.order], self._i[:, change.order]
-            else:
-                self._add_rows(change)
-        self._flags = self._batch_flags()
-        self._version = sb.version
-        return True
-
-    def _add_rows(self, reqs: list) -> None:
-        """The joining rows' settings, read from them now with their token count of now (the step index and the count
-        move together from here, as the kept rows' do)."""
-        f, i = self._read_rows(reqs)
-        self._f = np.concatenate([self._f, f], axis=1)
-        self._i = np.concatenate([self._i, i], axis=1)
-
-    @staticmethod
-    def _read_rows(reqs: list) -> tuple[np.ndarray, np.ndarray]:
-        """The kept arrays' columns for reqs, read from the requests. The step index less the token count is the
-        same at any later step: both move by one a step."""
+    def _read(self, reqs: list) -> tuple[np.ndarray, np.ndarray]:
+        """The kept arrays' columns for reqs, read from the requests with their token count of now (the step index
+        and the count move together from here, by one a step)."""
         f, i = request_columns(reqs)
         i[_STEP_LESS_COUNT] -= np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
         asked = np.fromiter((_NO_LOGPROBS if r.params.logprobs is None else r.params.logprobs for r in reqs),
                             dtype=np.int64, count=len(reqs))
         return f, np.concatenate([i, asked[None]])
 
-    def _batch_flags(self) -> dict:
-        return flags_of_rows(self._i[_BITS], self._i[_CUTOFF], int(self._i[_LOGPROBS].max(initial=_NO_LOGPROBS)))
+    def _reset(self, entries: tuple[np.ndarray, np.ndarray]) -> None:
+        self._f, self._i = entries
+
+    def _take(self, order) -> None:
+        self._f, self._i = self._f[:, order], self._i[:, order]
+
+    def _append(self, entries: tuple[np.ndarray, np.ndarray]) -> None:
+        f, i = entries
+        self._f = np.concatenate([self._f, f], axis=1)
+        self._i = np.concatenate([self._i, i], axis=1)
+
+    def _changed(self) -> None:
+        self._flags = flags_of_rows(self._i[_BITS], self._i[_CUTOFF], int(self._i[_LOGPROBS].max(initial=_NO_LOGPROBS)))

@@ -6,7 +6,6 @@ import torch
 from backend.core.scheduler import ScheduledBatch
 from backend.executor.graphs import DecodeGraphs
 from backend.executor.launch_plan import LaunchPlan
-from backend.executor.logit_rules import logit_edits
 from backend.executor.packer import SlotPacker
 from backend.step_records import StepResult, StepState
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
@@ -172,7 +171,7 @@ class ModelRunner:
             bucket = tokens = None
             rows = n
             sampling = self.packer.sampling_rows(st, rows)
-        edits = logit_edits(st.sampled, self.device, self._rows_without_edits(st))
+        edits = self.packer.logit_edits(st)
         graph = bucket is not None or tokens is not None
         return LaunchPlan(bucket, tokens, rows, logits_rows, sampling, edits, *self._context(st, graph))
 
@@ -237,15 +236,6 @@ class ModelRunner:
         if self.graphs is None or not batch.is_decode_only or len(st.sampled) != len(batch):
             return None
         return self.graphs.bucket_for(len(batch))
-
-    @staticmethod
-    def _rows_without_edits(st: StepState) -> int:
-        """How many leading sampled rows are known to edit no logits: the decode rows when none of them does
-        (logit_edits then skips them without reading their requests)."""
-        rows = st.batch.rows
-        if rows.any_edits_logits or st.rows_version != rows.version:
-            return 0
-        return st.batch.num_rows
 
     @staticmethod
     def _all_plain_greedy(st: StepState) -> bool:
