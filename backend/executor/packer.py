@@ -11,6 +11,7 @@ from backend.core.scheduler import ScheduledBatch
 from backend.core.running_batch import RunningBatch
 from backend.executor.launch_plan import LaunchPlan
 from backend.executor.logit_rules import LogitEdits, RowLogitEdits, step_logit_edits
+from backend.executor.penalty_tokens import RowPenaltyTokens, outputs_before_input, prompt_tokens
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
 from backend.executor.sampler import SamplingTensors, fill_padding_rows, fill_request_rows, pad_token_table, \
     tensors_from_rows
@@ -30,6 +31,7 @@ class SlotPacker:
         self._arange = np.arange(layout.max_seqs + 1)  # query_start_loc and logits_idx of decode-only steps
         self._row_sampling = RowSamplingSettings()  # the decode rows' settings, following the rows' changes
         self._row_edits = RowLogitEdits()  # the decode rows' fixed logit edits, following them too
+        self._row_tokens = RowPenaltyTokens()  # the decode rows' prompt and output tokens, for penalties
 
     def pack(self, batch: ScheduledBatch, prev: StepState | None) -> StepState:
         """Write batch's inputs into the free slot's pinned buffers; carry-over rows point into prev."""
@@ -234,13 +236,12 @@ class SlotPacker:
         if rows > n:
             fill_padding_rows(host_f[:, n:rows], host_i[:, n:rows], host_k[n:rows])
         prompt = output = None
-        if flags["any_penalty"]:
-            # prompts from their int64 arrays (made off the loop) where they have one: a copy, no list of ints read
-            prompt = pad_token_table([r.prompt_token_ids if r.prompt_array is None else r.prompt_array for r in reqs],
-                                     rows, self.device)
-            # outputs before this step's input token; the input token itself is appended on the device
-            output = pad_token_table([r.output_token_ids[:max(0, r.num_computed_tokens - 1 - r.num_prompt_tokens)]
-                                      for r in reqs], rows, self.device)
+        if flags["any_penalty"]:  # the decode rows' tables kept per row; the prefill rows' read from them
+            prompts, outputs = self._row_tokens.tables(st.batch.rows) if first else ([], [])
+            prompts += [prompt_tokens(r) for r in reqs[first:]]
+            outputs += [np.asarray(r.output_token_ids[:outputs_before_input(r)], dtype=np.int64) for r in reqs[first:]]
+            prompt = pad_token_table(prompts, rows, self.device)
+            output = pad_token_table(outputs, rows, self.device)
         tensors = tensors_from_rows(slot.sampling_views(rows), prompt, output, flags)
         st.read_logprobs = flags["num_logprobs"] >= 0
         st.num_top = max(0, flags["num_logprobs"])
