@@ -82,11 +82,11 @@ class SlotPacker:
                                          np.zeros(len(tables), dtype=np.int64))
         ids, counts = held[1][:n], held[2][:n]  # views: written below
         moved = (ids != sb.table_ids).nonzero()[0]
-        if moved.size > n // 2:  # a new batch in this slot: every row, gathered straight into the slot (the store's
-            # width is the slot's); mode="clip" because with out= numpy's default bounds mode gathers into a
+        if moved.size > n // 2:  # most rows changed in this slot: every row, gathered straight into the slot (the
+            # store's width is the slot's); mode="clip" because with out= numpy's default bounds mode gathers into a
             # temporary first, and every table row index is in range
             np.take(sb.table_store, sb.table_rows, axis=0, out=tables[:n], mode="clip")
-            slot.table_owners[:n] = [None] * n  # the rows were written whole: the general path rewrites them
+            slot.table_owners[:n] = [None] * n  # written whole: a prefill row placed here later rewrites it
         else:
             if moved.size:
                 tables[moved] = sb.table_store[sb.table_rows[moved]]
