@@ -1,5 +1,7 @@
-"""python -m bench.quality: what FP8 costs the default model in quality, in three configurations of the engine:
-the baseline dtype (bf16), FP8 weights (quantization=fp8), and FP8 weights + an FP8 KV cache (kv_cache_dtype=fp8).
+"""python -m bench.quality: what FP8 costs the default model in quality, in four configurations of the engine:
+the baseline dtype (bf16), FP8 weights (quantization=fp8), FP8 weights + an FP8 KV cache (kv_cache_dtype=fp8), and
+FP8 weights whose linears also round their inputs to e4m3 per token, as the GPU's FP8 x FP8 GEMMs do for prefill
+and steps of more than 64 rows (the torch ops, wrapped here: the engine itself has no such setting).
 
 - perplexity: teacher-forced over bench/data/quality_text.txt in non-overlapping windows, each a sequence of a
   prefill through the engine's model (its own forward, over a paged KV cache of the engine's cache dtype);
@@ -12,6 +14,7 @@ quantize -> dequantize. Prints its settings, a table, and one JSON line of resul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -22,7 +25,9 @@ import torch
 
 from backend import Engine, EngineConfig, SamplingParams
 from backend.models import DEFAULT_ALIAS, resolve_model_path
+from backend.executor.step_ops import StepOps
 from backend.models.loader import TORCH_DTYPES
+from backend.ops import Ops, fp8
 from bench.perplexity import BLOCK_SIZE, perplexity
 
 DATA = Path(__file__).parent / "data"
@@ -33,7 +38,31 @@ CONFIGS = {
     "baseline": dict(quantization="none", kv_cache_dtype="auto"),
     "fp8_weights": dict(quantization="fp8", kv_cache_dtype="auto"),
     "fp8_weights_kv": dict(quantization="fp8", kv_cache_dtype="fp8"),
+    "fp8_weights_activations": dict(quantization="fp8", kv_cache_dtype="auto", fp8_activations=True),
 }
+
+
+def round_rows_to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x with each row (token) rounded to e4m3 under its own scale (its largest magnitude maps to 448), back in x's
+    dtype: the dynamic per-token activation quantization of the FP8 x FP8 GEMMs."""
+    rows = x.reshape(-1, x.shape[-1])
+    q, scale = fp8.quantize_per_channel(rows)
+    return fp8.dequantize(q, scale, x.dtype).reshape(x.shape)
+
+
+def with_fp8_activations(ops: Ops) -> Ops:
+    """ops whose linears with FP8 weights (a scale given) take their input rounded per token to e4m3."""
+    def linear(x, weight, bias=None, out=None, *, scale=None):
+        return ops.linear(round_rows_to_fp8(x) if scale is not None else x, weight, bias, out, scale=scale)
+
+    def linear_parked(x, weight, bias=None, *, scale=None):
+        return ops.linear_parked(round_rows_to_fp8(x) if scale is not None else x, weight, bias, scale=scale)
+
+    def linear_silu_and_mul(x, weight, bias=None, *, scale=None):
+        return ops.linear_silu_and_mul(round_rows_to_fp8(x) if scale is not None else x, weight, bias, scale=scale)
+
+    return dataclasses.replace(ops, linear=linear, linear_parked=linear_parked,
+                               linear_silu_and_mul=linear_silu_and_mul)
 
 
 def load_prompts(n: int | None = None) -> list[str]:
@@ -66,8 +95,16 @@ def run_config(dtype_name: str, device: str, settings: dict, windows: list[list[
     engine's cache dtype), then its greedy tokens for each prompt, all prompts at once (room for all: no
     preemption)."""
     blocks = sum(-(-(len(p) + max_tokens) // BLOCK_SIZE) for p in prompt_ids)
+    settings = dict(settings)
+    fp8_activations = settings.pop("fp8_activations", False)
     engine = Engine(EngineConfig(model=DEFAULT_ALIAS, device=device, dtype=dtype_name, block_size=BLOCK_SIZE,
                                  num_kv_blocks=blocks, max_num_seqs=len(prompt_ids), **settings))
+    if fp8_activations:  # the perplexity's forwards (the model's own ops) and the engine's steps
+        model, runner = engine.parts.model, engine.parts.runner
+        model.ops = with_fp8_activations(model.ops)
+        steps = runner.step_ops
+        runner.step_ops = StepOps(with_fp8_activations(steps.dependent), with_fp8_activations(steps.plain),
+                                  steps.max_dependent_rows)
     try:
         ppl = perplexity(engine.parts.model, windows, engine.parts.kv_cache_dtype)
         outs = engine.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
