@@ -97,3 +97,11 @@ def kv_blocks_used_after_settling(engine, timeout_s: float = 5.0) -> int:
     while engine.stats()["kv_blocks_used"] and time.monotonic() < deadline:
         time.sleep(0.01)
     return engine.stats()["kv_blocks_used"]
+
+
+def tiny_engine(path: str, async_pipeline: bool, **settings):
+    """An engine on the CPU over a tiny checkpoint, in blocks of 4 tokens, 16 seats; settings override."""
+    from backend import Engine, EngineConfig
+
+    config = dict(model=path, device="cpu", block_size=4, max_num_seqs=16, async_pipeline=async_pipeline)
+    return Engine(EngineConfig(**{**config, **settings}))

@@ -11,7 +11,8 @@ import torch
 
 from backend import Engine, EngineConfig, SamplingParams
 from backend.ops import get_ops
-from tests.tiny_models import EOS, build_tiny, hf_greedy, hf_model, kv_blocks_used_after_settling, random_prompts
+from tests.tiny_models import EOS, build_tiny, hf_greedy, hf_model, kv_blocks_used_after_settling, random_prompts, \
+    tiny_engine
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
@@ -22,10 +23,7 @@ def root(tmp_path_factory):
 
 
 def make_engine(path, async_pipeline, **kw) -> Engine:
-    settings = dict(model=path, device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=24,
-                    max_num_seqs=16, async_pipeline=async_pipeline)
-    settings.update(kw)
-    return Engine(EngineConfig(**settings))
+    return tiny_engine(path, async_pipeline, **{"num_kv_blocks": 96, "max_num_batched_tokens": 24, **kw})
 
 
 def greedy(n, **kw):

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from backend import Engine, EngineConfig, SamplingParams
+from backend import Engine, SamplingParams
 from tests.sampling_helpers import fill_host_rows
 from tests.tiny_models import build_tiny, hf_greedy, hf_model, kv_blocks_used_after_settling, random_prompts, \
-    word_tokenizer
+    tiny_engine, word_tokenizer
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
@@ -23,10 +23,7 @@ def root(tmp_path_factory):
 
 
 def make_engine(path, async_pipeline, **kw) -> Engine:
-    settings = dict(model=path, device="cpu", num_kv_blocks=400, block_size=4, max_num_batched_tokens=64,
-                    max_num_seqs=16, async_pipeline=async_pipeline)
-    settings.update(kw)
-    return Engine(EngineConfig(**settings))
+    return tiny_engine(path, async_pipeline, **{"num_kv_blocks": 400, "max_num_batched_tokens": 64, **kw})
 
 
 def stream_all(engine, prompts, params):
