@@ -8,8 +8,8 @@ class RowState:
     """State with one entry per decode row, kept across steps and brought to each new version of the rows through the
     batch's published changes: rows taken in a new order (`_take`), rows appended (`_append`, from `_read` of the
     joining requests). Only joining requests are read; when a change is no longer recorded, every row is read again.
-    Subclasses: the rows' sampling settings (executor/row_sampling.py) and penalty token tables
-    (executor/penalty_tokens.py)."""
+    Subclasses: the rows' sampling settings (executor/row_sampling.py), logit edits (executor/logit_rules.py) and
+    penalty token tables (executor/penalty_tokens.py)."""
 
     def __init__(self) -> None:
         self._batch: RunningBatch | None = None

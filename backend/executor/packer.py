@@ -9,7 +9,7 @@ import numpy as np
 from backend.core.kv_cache import NULL_BLOCK
 from backend.core.scheduler import ScheduledBatch
 from backend.core.running_batch import RunningBatch
-from backend.executor.logit_rules import LogitEdits, logit_edits
+from backend.executor.logit_rules import LogitEdits, RowLogitEdits, step_logit_edits
 from backend.executor.penalty_tokens import RowPenaltyTokens, outputs_before_input, prompt_tokens
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
 from backend.executor.sampler import SamplingTensors, fill_padding_rows, fill_request_rows, pad_token_table, \
@@ -29,6 +29,7 @@ class SlotPacker:
         self.device = device
         self._arange = np.arange(layout.max_seqs + 1)  # query_start_loc and logits_idx of decode-only steps
         self._row_sampling = RowSamplingSettings()  # the decode rows' settings, following the rows' changes
+        self._row_edits = RowLogitEdits()  # the decode rows' fixed logit edits, following them too
         self._row_tokens = RowPenaltyTokens()  # the decode rows' prompt and output tokens, for penalties
 
     def pack(self, batch: ScheduledBatch, prev: StepState | None) -> StepState:
@@ -207,8 +208,7 @@ class SlotPacker:
     def logit_edits(self, st: StepState) -> LogitEdits | None:
         """The step's logit edits on the device (min_tokens bans, logit_bias, allowed_token_ids, bad_words); None
         when no sampled row has any."""
-        rows = st.batch.rows  # the decode rows lead the sampled rows; none of them is read when none edits
-        return logit_edits(st.sampled, self.device, 0 if rows.any_edits_logits else st.batch.num_rows)
+        return step_logit_edits(self._row_edits, st.batch.rows, st.sampled, self.device)
 
     def sampling_rows(self, st: StepState, rows: int) -> SamplingTensors:
         """Fill the slot's sampling rows on the host; return the device views the sampler reads."""

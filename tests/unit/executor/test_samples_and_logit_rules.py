@@ -168,3 +168,54 @@ def test_token_ids_outside_the_vocabulary_are_refused(engine):
 def test_logit_bias_is_clamped_to_100():
     assert SamplingParams(logit_bias={3: 1e9, 4: -1e9}).logit_bias == {3: 100.0, 4: -100.0}
 
+
+def test_row_logit_edits_follow_rows_leaving_and_joining_and_read_only_the_joining_ones():
+    """The decode rows' fixed edits (logit_bias, one-token bad words, allowed sets) are kept per row: after rows leave
+    and join, the gathered edits equal a fresh read of every row, and only the joining requests were read; the moving
+    edits (min_tokens bans, bad words of several tokens) follow each row's tokens."""
+    import numpy as np
+
+    from backend.core.running_batch import RunningBatch
+    from backend.executor import logit_rules
+    from backend.request import Request
+
+    def request(i):
+        kinds = [dict(logit_bias={5 + i: 2.5, 40: -1.0}), dict(), dict(allowed_token_ids=[1, 2, 3 + i]),
+                 dict(min_tokens=8), dict(logit_bias={7: 1.0})]
+        req = Request(f"r{i}", [3] * (4 + i), SamplingParams(max_tokens=50, **kinds[i % 5]), seed=i,
+                      eos_token_ids=frozenset({2}))
+        if i % 5 == 1:  # bad words: one of one token, one of two whose first token the request just made
+            req.bad_word_ids, req.edits_logits = [[11 + i], [9, 10]], True
+        req.output_token_ids = [4, 9]  # both read: this step feeds the 9 and samples the next token
+        req.num_computed_tokens = req.num_prompt_tokens + 2
+        req.num_tokens = req.num_prompt_tokens + 3
+        req.block_ids = [i + 1]
+        return req
+
+    def gathered(kept, rb):
+        lists = logit_rules.EditLists.empty()
+        kept.gather(rb, lists)
+        edits = sorted(zip(lists.rows, lists.tokens, lists.values, lists.when))
+        return edits, sorted(zip(lists.allowed_rows, lists.allowed_tokens)), sorted(lists.restricted)
+
+    rb = RunningBatch(block_size=16, max_model_len=256, max_blocks=8)
+    rb._append([request(i) for i in range(6)], np.arange(6))
+    kept = logit_rules.RowLogitEdits()
+    first = gathered(kept, rb)
+    ban = float("-inf")
+    assert first[0] == [(0, 5, 2.5, -1), (0, 40, -1.0, -1), (1, 10, ban, -1), (1, 12, ban, -1), (3, 2, ban, -1),
+                        (4, 7, 1.0, -1), (5, 10, 2.5, -1), (5, 40, -1.0, -1)]
+    assert first[1] == [(2, 1), (2, 2), (2, 5)] and first[2] == [2]
+    rb._delete(np.array([0, 2]))
+    reads = []
+    real = logit_rules.fixed_edits
+    logit_rules.fixed_edits = lambda req: reads.append(req.request_id) or real(req)
+    try:
+        rb._append([request(6), request(7)], np.array([0, 1]))
+        got = gathered(kept, rb)
+    finally:
+        logit_rules.fixed_edits = real
+    assert reads == ["r6", "r7"]
+    assert [r.request_id for r in rb.requests] == ["r4", "r1", "r5", "r3", "r6", "r7"]  # holes taken by the last
+    assert got == gathered(logit_rules.RowLogitEdits(), rb)  # a fresh read of every row
+    assert got[2] == [5]  # r7 (allowed set) is row 5 now
