@@ -83,12 +83,17 @@ class EngineLoop:
             with tl.cpu_span("pack"):
                 cur = self.runner.pack(batch, self._inflight)
             with tl.cpu_span("launch"):
-                self.runner.launch(cur, self._inflight)
+                self.runner.launch_forward(cur, self._inflight)
+                if not cur.sample_after_previous:
+                    self.runner.launch_sampling(cur)
             self.steps += 1
         prev = self._inflight
         self._inflight = cur
         if prev is not None:
             self._complete(prev, next_state=cur)
+        if cur is not None and cur.sample_after_previous:  # its per-row host work needed the step before's tokens
+            with tl.cpu_span("launch"):
+                self.runner.launch_sampling(cur, deferred=True)
         if not self.async_pipeline and cur is not None:
             self._inflight = None
             self._complete(cur, next_state=None)

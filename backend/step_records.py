@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backend.request import Request
 
-if TYPE_CHECKING:  # types only: the records hold these, made by the scheduler and the pipeline
+if TYPE_CHECKING:  # types only: the records hold these, made by the scheduler, the runner and the pipeline
     from backend.core.scheduler import ScheduledBatch
+    from backend.executor.launch_plan import LaunchPlan
     from backend.executor.pipeline import Slot
 
 
@@ -23,6 +24,11 @@ class StepState:
     num_top: int = 0
     max_len: int = 0  # longest context after this step of the batch's requests but its decode rows
     rows_version: int = -1  # the running batch's version when this step was packed from it
+    plan: LaunchPlan | None = None  # how it runs on the device (ModelRunner.plan), set when its forward is queued
+    logits: Any = None  # the forward's logits (a device tensor), which the step's sampling launch reads
+    # the step's sampling waits for per-row host work that needs the step before's tokens (a grammar's token mask):
+    # the loop queues the forward, reads and updates the step before, and only then queues this sampling
+    sample_after_previous: bool = False
     _row_of: dict[int, int] | None = None
 
     def longest_context(self) -> int:

@@ -9,6 +9,7 @@ import numpy as np
 from backend.core.kv_cache import NULL_BLOCK
 from backend.core.scheduler import ScheduledBatch
 from backend.core.running_batch import RunningBatch
+from backend.executor.launch_plan import LaunchPlan
 from backend.executor.logit_rules import LogitEdits, RowLogitEdits, step_logit_edits
 from backend.executor.penalty_tokens import RowPenaltyTokens, outputs_before_input, prompt_tokens
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
@@ -165,6 +166,15 @@ class SlotPacker:
         if p - n_prompt < len(req.output_token_ids):
             return req.output_token_ids[p - n_prompt], -1
         return 0, prev.row_of[id(req)]  # sampled by the step still on the device
+
+    def pad(self, st: StepState, plan: LaunchPlan) -> None:
+        """The padding the step's graph reads: one-token rows up to a decode graph's bucket, or a mixed graph's
+        tokens, sequences and logits rows past the step's own."""
+        batch = st.batch
+        if plan.bucket is not None and plan.bucket > len(batch):
+            self.pad_decode(st.slot, len(batch), plan.bucket)
+        elif plan.tokens is not None:
+            self.pad_mixed(st.slot, len(batch), batch.num_tokens, plan.tokens, len(st.sampled), plan.logits_rows)
 
     def pad_decode(self, slot: Slot, start: int, end: int) -> None:
         """Rows [start, end) of a graph bucket: one harmless token each, written into the null block (unless the

@@ -31,8 +31,31 @@ class Slot:
 
     def __init__(self, index: int, layout: SlotLayout, device: torch.device, use_cuda: bool) -> None:
         self.index = index
-        T, S, W, K = layout.max_tokens, layout.max_seqs, layout.max_blocks, max(1, layout.max_logprobs)
-        pin = use_cuda
+        self._make_inputs(layout, device, use_cuda)
+        # per block-table row: (the request's block list, blocks written), so a step writes only new blocks
+        self.table_owners: list[tuple[list[int], int] | None] = [None] * layout.max_seqs
+        # (running batch's serial, per block-table row the table_ids of the decode row whose blocks it holds (-1:
+        # none), how many of them) since the slot was last packed from that batch, or None: the next pack writes
+        # only the rows that moved and the blocks added
+        self.row_tables: tuple[int, np.ndarray, np.ndarray] | None = None
+        # leading rows whose query_start_loc ([0, rows]) and logits_idx ([0, rows)) hold 0, 1, 2, ... in the host
+        # buffers (one token and one logits row each, as decode and padding rows have): the pack skips them
+        self.arange_rows = 0
+        # rows [start, end) that hold a decode graph's padding in the host buffers since the packer wrote it, or None
+        self.decode_padding: tuple[int, int] | None = None
+        self._make_outputs(layout, device, use_cuda)
+        self.h2d_done = _Event(use_cuda)
+        self.compute_done = _Event(use_cuda)
+        self.d2h_done = _Event(use_cuda)
+        self.in_use = False  # a launched step's results are still unread
+        # the queued forward's (whether it was one graph replay, the idle inside it), for its sampling launch's span
+        self.forward_replay: tuple[bool, float | None] = (False, 0.0)
+        self._leading: dict[tuple[str, str, int], LeadingRows] = {}
+
+    def _make_inputs(self, layout: SlotLayout, device: torch.device, pin: bool) -> None:
+        """Every input in one pinned buffer and its device twin, in three typed regions (each 8-byte aligned), so a
+        step's inputs go over in one copy: all of it up to the block-table rows the step uses."""
+        T, S, W = layout.max_tokens, layout.max_seqs, layout.max_blocks
         # int64 region: input_ids | positions | slot_mapping | carry_src | logits_idx | sampling (seeds, step)
         self.i64_sizes = dict(input_ids=T, positions=T, slot_mapping=T, carry_src=T, logits_idx=S,
                               sampling_i=2 * S)
@@ -41,8 +64,6 @@ class Slot:
         # int32 region: query_start_loc | seq_lens | top_k | block_tables (last, so a prefix copy suffices)
         self.i32_sizes = dict(query_start_loc=S + 1, seq_lens=S, top_k=S, block_tables=S * W)
         self.i32_prefix = 3 * S + 1  # elements before the block tables
-        # every input in one pinned buffer and its device twin, the regions in that order (each starts 8-byte
-        # aligned), so a step's inputs go over in one copy: all of it up to the block-table rows the step uses
         i64_bytes = 8 * sum(self.i64_sizes.values())
         f32_bytes = 8 * -(-sum(self.f32_sizes.values()) // 2)
         self.i32_offset = i64_bytes + f32_bytes  # bytes before the int32 region
@@ -62,18 +83,10 @@ class Slot:
         self.sampling_host = (self.np["sampling_f"].reshape(6, S), self.np["sampling_i"].reshape(2, S),
                               self.np["top_k"])
         self._sampling_views: dict[int, tuple[torch.Tensor, ...]] = {}
-        # per block-table row: (the request's block list, blocks written), so a step writes only new blocks
-        self.table_owners: list[tuple[list[int], int] | None] = [None] * S
-        # (running batch's serial, per block-table row the table_ids of the decode row whose blocks it holds (-1:
-        # none), how many of them) since the slot was last packed from that batch, or None: the next pack writes
-        # only the rows that moved and the blocks added
-        self.row_tables: tuple[int, np.ndarray, np.ndarray] | None = None
-        # leading rows whose query_start_loc ([0, rows]) and logits_idx ([0, rows)) hold 0, 1, 2, ... in the host
-        # buffers (one token and one logits row each, as decode and padding rows have): the pack skips them
-        self.arange_rows = 0
-        # rows [start, end) that hold a decode graph's padding in the host buffers since the packer wrote it, or None
-        self.decode_padding: tuple[int, int] | None = None
-        # outputs: sampled tokens and their logprobs, written by the compute stream, read back by D2H
+
+    def _make_outputs(self, layout: SlotLayout, device: torch.device, pin: bool) -> None:
+        """Sampled tokens and their logprobs: written by the compute stream, copied back by D2H."""
+        S, K = layout.max_seqs, max(1, layout.max_logprobs)
         self.out_tokens = torch.zeros(S, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(S, dtype=torch.float32, device=device)
         self.out_ranks = torch.zeros(S, dtype=torch.int64, device=device)
@@ -87,11 +100,6 @@ class Slot:
         self.host_ranks = torch.zeros(S, dtype=torch.int64, pin_memory=pin)
         self.host_top_ids = torch.zeros(S, K, dtype=torch.int64, pin_memory=pin)
         self.host_top_logprobs = torch.zeros(S, K, dtype=torch.float32, pin_memory=pin)
-        self.h2d_done = _Event(use_cuda)
-        self.compute_done = _Event(use_cuda)
-        self.d2h_done = _Event(use_cuda)
-        self.in_use = False  # a launched step's results are still unread
-        self._leading: dict[tuple[str, str, int], LeadingRows] = {}
 
     def forget_tables(self) -> None:
         """The host block tables hold nothing known: the next pack writes whole rows."""
@@ -210,12 +218,11 @@ class Pipeline:
     def other(self, slot: Slot) -> Slot:
         return self.slots[slot.index ^ 1]
 
-    def launch(self, slot: Slot, n_i32: int, compute: Callable[[], tuple[int, bool]], read_logprobs: bool) -> None:
-        """Queue H2D copy → compute (carry-over, forward, sample) → D2H copy; returns without waiting. The copy
-        takes every input but the int32 region past n_i32 elements (block-table rows the step does not use).
-        compute queues the step's device work and returns (rows sampled, whether that work was CUDA graph replays
-        only, the idle seconds inside those graphs or None where unknown). Only compute runs on a current stream
-        (graph replays launch there); the copies, events and waits name theirs."""
+    def launch_forward(self, slot: Slot, n_i32: int, forward: Callable[[], tuple[bool, float | None]]) -> None:
+        """Queue the H2D copy and then the forward on the compute stream; returns without waiting. The copy takes
+        every input but the int32 region past n_i32 elements (block-table rows the step does not use). forward
+        queues the step's forward and returns (whether it was one CUDA graph replay, the idle seconds inside that
+        graph or None where unknown). launch_sampling queues the rest of the step."""
         tl = self.timeline
         # No stream waits for this slot's previous step: the host synchronized on its d2h_done before the slot was
         # free again (acquire_slot), and that event follows the step's reads of the device inputs and its writes
@@ -229,11 +236,27 @@ class Pipeline:
             self._use(self.compute_stream)
             slot.h2d_done.wait(self.compute_stream)
             tl.gpu_begin("compute", self.compute_stream)
-            rows, graph_replays_only, idle_s = compute()
+            slot.forward_replay = forward()
+        finally:
+            self._use(self.home_stream)
+
+    def launch_sampling(self, slot: Slot, sample: Callable[[], tuple[int, bool, float | None]], read_logprobs: bool,
+                        deferred: bool = False) -> None:
+        """Queue the sampling after the forward on the compute stream, then the D2H copy of its outputs; returns
+        without waiting. sample returns (rows sampled, whether its work was CUDA graph replays or nothing, the idle
+        seconds inside those graphs or None where unknown); deferred: the host did other work since the forward was
+        queued, so the GPU may have idled between them. Only the forward and the sampling run on a current stream
+        (graph replays launch there); the copies, events and waits name theirs."""
+        tl = self.timeline
+        try:
+            self._use(self.compute_stream)
+            rows, sample_replays, sample_idle = sample()
+            forward_replay, forward_idle = slot.forward_replay
             # a graph replay is one launch, its kernels back to back: the span holds no launch gaps, only the graphs'
             # inner idle, measured once (None: not measured, so the span's busy time is not known)
-            tl.gpu_end("compute", self.compute_stream, gap_free=graph_replays_only,
-                       idle_s=idle_s if graph_replays_only else 0.0)
+            gap_free = forward_replay and sample_replays and not deferred
+            idle_s = None if forward_idle is None or sample_idle is None else forward_idle + sample_idle
+            tl.gpu_end("compute", self.compute_stream, gap_free=gap_free, idle_s=idle_s if gap_free else 0.0)
             # why: the D2H copy may start only when sampling has written the outputs
             slot.compute_done.record(self.compute_stream)
         finally:

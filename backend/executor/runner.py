@@ -5,6 +5,7 @@ import torch
 
 from backend.core.scheduler import ScheduledBatch
 from backend.executor.graphs import DecodeGraphs
+from backend.executor.launch_plan import LaunchPlan
 from backend.executor.packer import SlotPacker
 from backend.step_records import StepResult, StepState
 from backend.executor.pipeline import Pipeline, Slot, SlotLayout
@@ -140,72 +141,81 @@ class ModelRunner:
         self.model = None
 
     # ---- launch (queues GPU work) -----------------------------------------------------------------
-    def launch(self, st: StepState, prev: StepState | None) -> None:
-        """Queue the step's device work: a decode graph where one fits, else a mixed graph for its token count, else
-        the eager forward; then logit edits and the sampler unless every row is plain greedy on a decode graph (the
-        graph's argmax is then the token)."""
-        batch, slot = st.batch, st.slot
-        B, T, n = len(batch), batch.num_tokens, len(st.sampled)
+    def launch_forward(self, st: StepState, prev: StepState | None) -> None:
+        """Plan the step, have its padding packed, and queue its inputs' copy and its forward. Its sampling is a
+        second launch (launch_sampling), so the loop may read the step before and do per-row host work between."""
+        plan = st.plan = self.plan(st)
+        self.packer.pad(st, plan)
+        prev_slot = self.pipeline.other(st.slot) if prev is not None and prev.sampled else None
+        n_i32 = st.slot.i32_prefix + (plan.bucket or len(st.batch)) * self.layout.max_blocks
+        self.pipeline.launch_forward(st.slot, n_i32, lambda: self._forward(st, plan, prev_slot))
+
+    def launch_sampling(self, st: StepState, deferred: bool = False) -> None:
+        """Queue the step's logit edits and sampling after its forward, then the copy of its tokens back; deferred:
+        host work ran since the forward was queued (the GPU may have waited between them)."""
+        self.pipeline.launch_sampling(st.slot, lambda: self._sample(st, st.plan), st.read_logprobs, deferred)
+
+    def plan(self, st: StepState) -> LaunchPlan:
+        """The one place that decides how a step runs: a decode graph where one fits, else a mixed graph for its
+        token count, else the eager forward (always with penalties: their tables vary in width); the sampler's rows
+        and settings, and the logit edits."""
+        n = len(st.sampled)
         bucket = self._graph_bucket(st)
         tokens = None if bucket is not None else self._mixed_bucket(st)
-        n_i32 = slot.i32_prefix + (bucket or B) * self.layout.max_blocks
-        if bucket is not None and self._all_plain_greedy(st):
-            # the graph's argmax is every row's token: no sampling rows, stop-token bans or logprobs to prepare
-            width, max_len = self._context(st) if self.graphs.eager else (0, 0)  # a captured graph reads all
-
-            def replay_only() -> tuple[int, bool, float | None]:
-                self.graphs.replay(slot, bucket, width, max_len)
-                return bucket, not self.graphs.eager, self.graphs.idle_of(("decode", bucket))
-
-            self.pipeline.launch(slot, n_i32, replay_only, False)
-            return
+        logits_rows = self.graphs.logits_rows(tokens) if tokens is not None else 0
+        if bucket is not None and self._all_plain_greedy(st):  # no sampling rows, bans or logprobs to prepare
+            return LaunchPlan(bucket, None, bucket, 0, None, None, *self._context(st, graph=True), argmax_only=True)
         rows = bucket or (self._sampler_rows(n, tokens) if tokens is not None else n)
         sampling = self.packer.sampling_rows(st, rows) if n else None
         if sampling is not None and sampling.any_penalty and (bucket or tokens):
-            bucket = tokens = None  # penalty tables vary in width: run this step eagerly
+            bucket = tokens = None
             rows = n
             sampling = self.packer.sampling_rows(st, rows)
-        if tokens is not None:
-            self.packer.pad_mixed(slot, B, T, tokens, n, self.graphs.logits_rows(tokens))
         edits = self.packer.logit_edits(st)
-        prev_slot = self.pipeline.other(slot) if prev is not None and prev.sampled else None
-        eager = (bucket is None and tokens is None) or self.graphs.eager
-        width, max_len = self._context(st) if eager else (0, 0)  # captured graphs read the whole block table
+        graph = bucket is not None or tokens is not None
+        return LaunchPlan(bucket, tokens, rows, logits_rows, sampling, edits, *self._context(st, graph))
 
-        def compute() -> tuple[int, bool, float | None]:
-            """Queue the step's device work; returns (rows sampled, whether it was graph replays only, the idle
-            seconds inside those graphs or None where not measured)."""
-            replayed = (bucket is not None or tokens is not None) and not self.graphs.eager
-            if bucket is not None:
-                logits = self.graphs.replay(slot, bucket, width, max_len)  # carry-over + forward + logits
-                idle = self.graphs.idle_of(("decode", bucket))
-            elif tokens is not None:
-                logits = self.graphs.replay_mixed(slot, tokens)  # the same, for prefill chunks beside decode rows
-                idle = self.graphs.idle_of(("mixed", tokens))
-            else:
-                logits = self._eager_forward(slot, B, T, width, max_len, max(batch.num_new_tokens), prev_slot, n)
-                idle = 0.0
-            if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
-                return 0, replayed, idle
-            if (bucket or tokens) and edits is None and sampling.num_logprobs < 0:
-                if bucket is not None and sampling.all_greedy:
-                    return rows, replayed, idle  # the graph already wrote the greedy tokens into this slot's outputs
-                if self.graphs.samples and self.graphs.has_sampler(slot, rows):
-                    # the fused sampler, captured for this many rows
-                    self.graphs.replay_sampler(slot, rows, sampling.any_top_k)
-                    more = self.graphs.idle_of(("sampler", rows, sampling.any_top_k))
-                    return rows, replayed, None if idle is None or more is None else idle + more
-            if edits is not None:  # min_tokens bans, logit_bias, allowed_token_ids, bad_words
-                edits.apply(logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:n]])
-            if sampling.any_penalty:
-                self._append_input_tokens(slot, sampling, n)
-            self.sampler.sample_into(logits[:rows], sampling, slot.targets)
-            return rows, False, 0.0  # eager launches: the forward's, or the edits and sampler after a graph
+    def _forward(self, st: StepState, plan: LaunchPlan, prev_slot: Slot | None) -> tuple[bool, float | None]:
+        """Queue the forward (carry-over, model, logits, and a decode graph's argmax); returns (whether it was a
+        graph replay, the idle seconds inside that graph or None where not measured)."""
+        slot, batch = st.slot, st.batch
+        if plan.bucket is not None:
+            st.logits = self.graphs.replay(slot, plan.bucket, plan.width, plan.max_len)
+            return not self.graphs.eager, self.graphs.idle_of(("decode", plan.bucket))
+        if plan.tokens is not None:  # the same, for prefill chunks beside decode rows
+            st.logits = self.graphs.replay_mixed(slot, plan.tokens)
+            return not self.graphs.eager, self.graphs.idle_of(("mixed", plan.tokens))
+        st.logits = self._eager_forward(slot, len(batch), batch.num_tokens, plan.width, plan.max_len,
+                                        max(batch.num_new_tokens), prev_slot, len(st.sampled))
+        return False, 0.0
 
-        self.pipeline.launch(slot, n_i32, compute, st.read_logprobs)
+    def _sample(self, st: StepState, plan: LaunchPlan) -> tuple[int, bool, float | None]:
+        """Queue the logit edits and the sampler over the forward's logits; returns (rows sampled, whether that was
+        graph replays or nothing, the idle seconds inside those graphs or None where not measured)."""
+        sampling, slot, rows = plan.sampling, st.slot, plan.rows
+        if plan.argmax_only:  # the decode graph wrote every row's token
+            return rows, True, 0.0
+        if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
+            return 0, True, 0.0
+        if plan.graph and plan.edits is None and sampling.num_logprobs < 0:
+            if plan.bucket is not None and sampling.all_greedy:
+                return rows, True, 0.0  # the graph already wrote the greedy tokens into this slot's outputs
+            if self.graphs.samples and self.graphs.has_sampler(slot, rows):  # the fused sampler, captured
+                self.graphs.replay_sampler(slot, rows, sampling.any_top_k)
+                return rows, True, self.graphs.idle_of(("sampler", rows, sampling.any_top_k))
+        n = len(st.sampled)
+        if plan.edits is not None:
+            plan.edits.apply(st.logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:n]])
+        if sampling.any_penalty:
+            self._append_input_tokens(slot, sampling, n)
+        self.sampler.sample_into(st.logits[:rows], sampling, slot.targets)
+        return rows, False, 0.0
 
-    def _context(self, st: StepState) -> tuple[int, int]:
-        """(block-table columns that hold context, longest context) of a step, which only eager forwards read."""
+    def _context(self, st: StepState, graph: bool) -> tuple[int, int]:
+        """(block-table columns that hold context, longest context) of a step, which only eager forwards read (a
+        captured graph reads the whole block table: (0, 0))."""
+        if graph and not self.graphs.eager:
+            return 0, 0
         max_len = st.longest_context()
         return max(1, -(-max_len // self.block_size)), max_len
 
@@ -221,15 +231,11 @@ class ModelRunner:
         return rows if rows is not None and rows <= self.graphs.logits_rows(tokens) else n
 
     def _graph_bucket(self, st: StepState) -> int | None:
-        """The decode graph's batch bucket for a decode-only step that samples every row (padding rows packed into
-        the null block up to it); None: the step runs eagerly."""
+        """The decode graph's batch bucket for a decode-only step that samples every row; None: no decode graph."""
         batch = st.batch
         if self.graphs is None or not batch.is_decode_only or len(st.sampled) != len(batch):
             return None
-        bucket = self.graphs.bucket_for(len(batch))
-        if bucket is not None and bucket > len(batch):
-            self.packer.pad_decode(st.slot, len(batch), bucket)
-        return bucket
+        return self.graphs.bucket_for(len(batch))
 
     @staticmethod
     def _all_plain_greedy(st: StepState) -> bool:

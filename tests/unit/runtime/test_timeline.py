@@ -280,19 +280,27 @@ class _SpyTimeline(Timeline):
 
 
 def test_the_pipeline_marks_graph_replays_and_lone_copies_gap_free_and_passes_the_graphs_idle_on():
+    """The compute span is gap-free when the forward and the sampling were both graph replays (or nothing) queued one
+    after the other, with the idle of both inside; host work between the two launches (deferred) makes it
+    gap-uncertain."""
     import torch
 
     from backend.executor.pipeline import Pipeline, SlotLayout
 
     tl = _SpyTimeline()
     pipe = Pipeline(SlotLayout(max_tokens=8, max_seqs=4, max_blocks=2, max_logprobs=2), torch.device("cpu"), tl)
-    for graph_replays_only, idle, read_logprobs in [(True, 2e-5, False), (False, 0.0, False), (True, None, True)]:
+    cases = [  # (forward: replay, idle), (sampling: replay, idle), read_logprobs, deferred
+        ((True, 0.5), (True, 0.25), False, False), ((True, 2e-5), (False, 0.0), False, False),
+        ((True, None), (True, 0.0), True, False), ((True, 2e-5), (True, 0.0), False, True)]
+    for forward, sampling, read_logprobs, deferred in cases:
         slot = pipe.acquire_slot()
-        pipe.launch(slot, slot.host_i32.numel(), lambda: (2, graph_replays_only, idle), read_logprobs)
+        pipe.launch_forward(slot, slot.host_i32.numel(), lambda: forward)
+        pipe.launch_sampling(slot, lambda: (2, *sampling), read_logprobs, deferred)
         pipe.wait(slot)
-    assert tl.ends == [("h2d", True, 0.0), ("compute", True, 2e-5), ("d2h", True, 0.0),
+    assert tl.ends == [("h2d", True, 0.0), ("compute", True, 0.75), ("d2h", True, 0.0),
                        ("h2d", True, 0.0), ("compute", False, 0.0), ("d2h", True, 0.0),
-                       ("h2d", True, 0.0), ("compute", True, None), ("d2h", False, 0.0)]
+                       ("h2d", True, 0.0), ("compute", True, None), ("d2h", False, 0.0),
+                       ("h2d", True, 0.0), ("compute", False, 0.0), ("d2h", True, 0.0)]
 
 
 def test_the_anchor_is_placed_again_until_the_clock_reads_bracket_it_closely():
