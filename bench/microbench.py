@@ -404,8 +404,9 @@ def sweep_linear_fp8(rows_list=(1, 16, 32, 64, 128, 256), shapes=None, configs=F
     TB/s of the weight bytes it reads (2 a weight in bf16, 1 in e4m3), the fastest path by time as "best".
 
     Paths: bf16_cublas (F.linear, bf16 W); bf16_kernel (the bf16 decode kernel, ≤ 64 rows, the H200 table's
-    config where listed); fp8_auto and fp8_<config> (the FP8 decode kernel: fp8_linear's rule, then each of
-    `configs`; up to fp8_linear.DECODE_ROW_LIMIT rows, past FP8_MAX_ROWS to see where it stops winning);
+    config where listed); fp8_auto and fp8_<config> (the FP8 decode kernel widening W: fp8_linear's rule, then
+    each of `configs`; up to fp8_linear.DECODE_ROW_LIMIT rows, past FP8_MAX_ROWS to see where it stops winning),
+    fp8x8_auto and fp8x8_<config> (the same launch shapes multiplying FP8 by FP8, x's quantization included);
     scaled_mm (x quantized per row + torch._scaled_mm: per-channel scales, the "cublas" FP8 path at every row
     count) and scaled_mm_only (x quantized beforehand: the quantization's share is the difference); block_gemm and
     block_gemm_<config> (x quantized per 128-column group + the block-scaled GEMM: block scales); dequant_cublas
@@ -443,19 +444,21 @@ def sweep_linear_fp8(rows_list=(1, 16, 32, 64, 128, 256), shapes=None, configs=F
                                         if gated else (lambda: tlin.linear(x, next(bf16_w), config=listed, pdl=pdl)), 2)
             kernel_rows = f8.FP8_MAX_ROWS if gated else f8.DECODE_ROW_LIMIT
             if not prefill and rows <= kernel_rows:
-                def kernel(cfg=None):
+                def kernel(cfg=None, quantize_x=False):
                     qq, ss = next(fp8_w)
                     if gated:
-                        return f8.linear_silu_and_mul(x, qq, ss, config=cfg, pdl=pdl)
-                    return f8.decode_linear(x, qq, ss, config=cfg, pdl=pdl, park=park)
+                        return f8.linear_silu_and_mul(x, qq, ss, config=cfg, pdl=pdl, quantize_x=quantize_x)
+                    return f8.decode_linear(x, qq, ss, config=cfg, pdl=pdl, park=park, quantize_x=quantize_x)
 
                 paths["fp8_auto"] = (kernel, 1)
+                paths["fp8x8_auto"] = (lambda: kernel(quantize_x=True), 1)
                 if gated:
                     paths["fp8_unfused"] = (lambda: act(f8.decode_linear(x, *next(fp8_w), pdl=pdl)), 1)
                 for cfg in kernel_configs:
                     if gated and (len(cfg) > 4 or cfg[0] < 32):
                         continue  # the fused kernel takes no K split and at least 16 rows of each half
                     paths["fp8_" + "x".join(map(str, cfg))] = (lambda c=LinearConfig(*cfg): kernel(c), 1)
+                    paths["fp8x8_" + "x".join(map(str, cfg))] = (lambda c=LinearConfig(*cfg): kernel(c, True), 1)
             if block:
                 paths["block_gemm"] = (lambda: act(f8.prefill_linear(x, *next(fp8_w), pdl=pdl, block=True)), 1)
                 if rows > f8.FP8_MAX_ROWS:
@@ -496,7 +499,8 @@ def sweep_linear_fp8(rows_list=(1, 16, 32, 64, 128, 256), shapes=None, configs=F
                 n, k, buffers.sm_count(w.device), block))
             out.append(row)
             shown = " ".join(f"{p}={row['ms'][p] * 1e3:.1f}us({row['tb_per_s'][p]:.2f})"
-                             for p in ("bf16_cublas", "bf16_kernel", "fp8_auto", "scaled_mm", "block_gemm")
+                             for p in ("bf16_cublas", "bf16_kernel", "fp8_auto", "fp8x8_auto", "scaled_mm",
+                                       "block_gemm")
                              if p in row["ms"])
             best = row["best"]
             print(f"  {name:11s} rows={rows:4d} {scales} {shown} best={best} "

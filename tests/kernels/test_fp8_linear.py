@@ -94,6 +94,31 @@ def test_fp8_linear(layout, rows, n, k, bias, config):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 96, 512, False), (17, 200, 576, True), (64, 48, 200, True)])
+@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=DECODE_IDS)
+def test_fp8_decode_with_quantized_x(layout, rows, n, k, bias, config):
+    """quantize_x: x quantized as the prefill path quantizes it, then FP8 x FP8 in the decode kernel (serial and
+    parked K splits alike): equal to the float64 product of the quantized x within output rounding."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + 1)
+    q, s = _weight(n, k, layout, g)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    b = torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE) if bias else None
+    out = f8.decode_linear(x, q, s, b, config=config, quantize_x=True)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    ref = _quantized_x_reference(x, q, s, layout, b)
+    assert rel_err(out, ref) < PREFILL_TOL
+    assert rel_err(out, _reference(x, q, s, b)) < QUANTIZED_X_TOL
+    if config is not None and config.split_k > 1 and not bias:
+        parked = f8.decode_linear(x, q, s, config=config, park=True, quantize_x=True)
+        assert rel_err(parked.parts.sum(0), ref) < PREFILL_TOL
+    # the same W as [gate; up] (n is even), SiLU-and-mul in the epilogue; quantize_x asked by the config this time
+    gate_up, inter = _quantized_x_reference(x, q, s, layout), n // 2
+    fused = f8.linear_silu_and_mul(x, q, s, config=LinearConfig(64, 64, 4, 2, quantize_x=True))
+    ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    assert rel_err(fused, ref) < GATED_TOL
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp8_linear_fp16_strided_and_batched_rows(layout):
     """fp16 x, leading dims kept, a strided x (a column slice of a wider buffer) read correctly."""
     g = torch.Generator().manual_seed(3)
@@ -462,13 +487,17 @@ def test_fp8_decode_and_prefill_in_a_cuda_graph(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_fp8_kernels_at_model_sizes(layout, n, k):
-    """Llama-3-8B's qkv and down shapes at 1, 64 and 2048 rows, against the float64 references."""
+    """Llama-3-8B's qkv and down shapes at 1, 64 and 2048 rows, against the float64 references: of x itself where
+    the decode kernel widens W, of x quantized per row where the tuning table's config multiplies FP8 by FP8 (and
+    in prefill)."""
     g = torch.Generator().manual_seed(n)
     q, s = _weight(n, k, layout, g)
+    tables = f8.tables_for(q.device, layout == "block")
     for rows in (1, 64, 2048):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16).to(DEVICE)
         out = tlin.tuned_linear(x, q, scale=s)
-        if rows <= f8.FP8_MAX_ROWS:
+        listed = tables.plain.get((n, k, tlin._block_m(rows))) if tables is not None else None
+        if rows <= f8.FP8_MAX_ROWS and not (listed is not None and listed.quantize_x):
             assert rel_err(out, _reference(x, q, s)) < DECODE_TOL
         else:
             assert rel_err(out, _quantized_x_reference(x, q, s, layout)) < PREFILL_TOL

@@ -3,11 +3,16 @@ and s its float32 scales (backend/ops/fp8.py: (N,) per output channel, or (ceil(
 
 Decode (≤ FP8_MAX_ROWS rows, `_fp8_skinny_kernel`): the bf16 decode GEMM's shape (triton/linear.py: a program per
 slice of W's rows over the whole K range, optional split-K summed serially or parked, optional gate_up with
-SiLU-and-mul in the epilogue). The step is memory-bound, so W is streamed as e4m3 (half the bytes of bf16); each
-tile is converted to x's dtype in registers (exact: every e4m3 value is a bf16 / fp16 value) and multiplied on the
-tensor cores with fp32 accumulation. Per-channel scales multiply the fp32 accumulator once, in the epilogue; block
-scales multiply each K step's partial product (a K step lies inside one 128-column scale block), as they must.
-x is not quantized: the product is that of x and the exactly dequantized weight, up to fp32 summation order.
+SiLU-and-mul in the epilogue). The step is memory-bound, so W is streamed as e4m3 (half the bytes of bf16), in one
+of two ways, chosen per shape by the tuning tables (tuning/h200_fp8.py; the rule takes the first):
+- W widened: each tile is converted to x's dtype in registers (exact: every e4m3 value is a bf16 / fp16 value) and
+  multiplied on the tensor cores with fp32 accumulation; x is not quantized, so the product is that of x and the
+  exactly dequantized weight, up to fp32 summation order;
+- FP8 x FP8 (a config's quantize_x): x is quantized per row first (`quantize_rows`, one small launch), and W and x
+  go to the FP8 MMAs as loaded; x's scale joins W's. On an H100 this streamed the 8B's q/k/v, o and gate_up weights
+  1.2-2.3x faster (no conversion, half the x bytes), at the numerics of the prefill path below.
+Per-channel scales multiply the fp32 accumulator once, in the epilogue; block scales multiply each K step's partial
+product (a K step lies inside one 128-column scale block), as they must.
 
 Prefill (more rows): FP8 × FP8 on the tensor cores, x quantized on the fly to e4m3 with dynamic scales
 (`quantize_rows`: amax / 448 per row, or per 128-column group of a row for block-scaled weights).
@@ -59,16 +64,19 @@ _SCALED_MM = hasattr(torch, "_scaled_mm")
 # ------------------------------------------------------------------------------------------------------
 @triton.jit
 def _fp8_skinny_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, PARK: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_SCALES: tl.constexpr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_xsm, stride_wn,
+    stride_ym, stride_sn, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, PARK: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_SCALES: tl.constexpr, X_FP8: tl.constexpr,
 ):
     # the bf16 _skinny_linear_kernel with W in e4m3: W's tile is the MMA's A operand (BLOCK_N ≥ 16 rows), x's
     # padded rows are B's columns. GATED: W is [gate; up] (2N, K), y (M, N) = silu(gate·x) * (up·x), each half
     # with its own scale rows (per channel s[n] and s[N + n]; per block s[n // 128] and s[(N + n) // 128]).
     # BLOCK_SCALES: s is (ceil(rows / 128), ceil(K / 128)), row stride stride_sn; BLOCK_K divides 128, so a K
     # step reads one scale per W row. Otherwise s is (rows,): one scale per W row, applied after the K loop.
+    # X_FP8: x is e4m3 too (quantize_rows), with float32 scales xs (M, 1) per row or (M, ceil(K / 128)) per
+    # 128-column group (BLOCK_SCALES): W and x go to the FP8 MMA as they are loaded, nothing is converted, and
+    # x's scales join W's where W's are applied.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,6 +87,7 @@ def _fp8_skinny_kernel(
     up_rows = w_rows + N.to(tl.int64) * stride_wn  # GATED only: the up half's rows
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     s_rows = s_ptr + (offs_n // 128) * stride_sn  # BLOCK_SCALES only: each W row's scale row
+    xs_rows = xs_ptr + offs_m * stride_xsm  # X_FP8 only: each x row's scale row
     up_s_rows = s_ptr + ((offs_n + N) // 128) * stride_sn  # BLOCK_SCALES and GATED only
     k_run = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K  # whole K steps per split
     k_start = split * k_run
@@ -96,24 +105,40 @@ def _fp8_skinny_kernel(
             w_mask = n_mask[:, None] & k_mask[None, :]
             x_mask = m_mask[:, None] & k_mask[None, :]
         xt = tl.trans(tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0))  # (BLOCK_K, BLOCK_M)
-        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0).to(xt.dtype)  # e4m3 -> x's dtype: exact
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        if not X_FP8:
+            w = w.to(xt.dtype)  # e4m3 -> x's dtype: exact
         if BLOCK_SCALES:
-            # this K step's block scale per W row, times the step's partial product (fp32)
-            s = tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)
-            acc += tl.dot(w, xt) * s[:, None]
+            # this K step's block scale per W row (and x's group scale per x row), times the step's partial product
+            s = tl.load(s_rows + k0 // 128, mask=n_mask, other=0.0)[:, None]
+            if X_FP8:
+                s = s * tl.load(xs_rows + k0 // 128, mask=m_mask, other=0.0)[None, :]
+            acc += tl.dot(w, xt) * s
             if GATED:
-                up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(xt.dtype)
-                acc_up += tl.dot(up, xt) * tl.load(up_s_rows + k0 // 128, mask=n_mask, other=0.0)[:, None]
+                up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
+                if not X_FP8:
+                    up = up.to(xt.dtype)
+                s_up = tl.load(up_s_rows + k0 // 128, mask=n_mask, other=0.0)[:, None]
+                if X_FP8:
+                    s_up = s_up * tl.load(xs_rows + k0 // 128, mask=m_mask, other=0.0)[None, :]
+                acc_up += tl.dot(up, xt) * s_up
         else:
             acc = tl.dot(w, xt, acc)
             if GATED:
-                up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(xt.dtype)
+                up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
+                if not X_FP8:
+                    up = up.to(xt.dtype)
                 acc_up = tl.dot(up, xt, acc_up)
     if not BLOCK_SCALES:
         # per-channel scales: one multiply of the fp32 sum (each split scales its own partial: the sum is linear)
         acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
         if GATED:
             acc_up *= tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
+        if X_FP8:
+            x_scale = tl.load(xs_rows, mask=m_mask, other=0.0)[None, :]
+            acc *= x_scale
+            if GATED:
+                acc_up *= x_scale
     out_mask = n_mask[:, None] & m_mask[None, :]
     if GATED:
         # the numerics of the bf16 kernel: gate_up rounded to y's dtype, SiLU-and-mul in fp32, rounded once
@@ -145,12 +170,11 @@ def _fp8_skinny_kernel(
 
 
 def choose_config(n: int, k: int, sms: int, block_scales: bool = False) -> LinearConfig:
-    """The decode kernel's default shape: 64 W rows per program, K steps of 128 e4m3 values, K cut in 4 where it
-    holds whole 512-value runs (per-channel scales), fewer rows while the programs leave SMs idle. Measured
-    (H100, 2026-12-06, `bench.microbench --linear --fp8`, rows 1 and 32, plain and parked): 64 x 128 with 4
-    splits was the fastest of the sweep on every Llama-3-8B shape (o 11.8 / 12.4 µs, down 30.8 / 32.0, qkv parked
-    16.5), where 256-value steps without splits took 1.3-3x longer: the e4m3 -> bf16 conversion of a tile, not the
-    bytes, bounds a program, so more programs in flight pay."""
+    """The decode kernel's default shape (W widened to x's dtype): 64 W rows per program, K steps of 128 e4m3
+    values, K cut in 4 where it holds whole 512-value runs (per-channel scales), fewer rows while the programs leave
+    SMs idle. Measured (H100, 2026-12-06, `bench.microbench --linear --fp8`, rows 1 and 32, plain and parked): 64 x
+    128 with 4 splits was the fastest widening shape of the sweep on every Llama-3-8B shape (o 11.8 / 12.4 µs, down
+    30.8 / 32.0, qkv parked 16.5), where 256-value steps without splits took 1.3-3x longer."""
     block_k = 128 if k % 128 == 0 else 64
     split_k = 4 if not block_scales and k % (4 * block_k) == 0 else 1
     block_n = 64
@@ -207,26 +231,29 @@ def _sms(x: torch.Tensor) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None, config: LinearConfig | None = None, *, pdl: bool = False,
-           park: bool = False) -> torch.Tensor | PartialSums:
+           park: bool = False, quantize_x: bool = False) -> torch.Tensor | PartialSums:
     """x @ (weight * scale).T (+ bias) for an e4m3 weight: the decode kernel up to FP8_MAX_ROWS rows, the FP8 x FP8
     GEMMs above (prefill_linear); fp32 x or an out with a strided last dim: the torch reference.
 
     out, config, pdl and park as triton_linear.linear takes them (config: the decode kernel's launch shape, None
-    for choose_config's rule)."""
+    for choose_config's rule); quantize_x as decode_linear takes it."""
     block = _is_block(weight, scale)
     rows = _row_count(x)
     if rows == 0 or not _kernel_ok(x) or out is not None and out.stride(-1) != 1:
         return torch_layers.linear(x, weight, bias, out, scale=scale)
     if rows > FP8_MAX_ROWS:
         return prefill_linear(x, weight, scale, bias, out, pdl=pdl, block=block)
-    return decode_linear(x, weight, scale, bias, out, config, pdl=pdl, park=park, block=block)
+    return decode_linear(x, weight, scale, bias, out, config, pdl=pdl, park=park, block=block, quantize_x=quantize_x)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, config: LinearConfig | None = None, *, pdl: bool = False,
-                  park: bool = False, block: bool | None = None) -> torch.Tensor | PartialSums:
+                  park: bool = False, block: bool | None = None,
+                  quantize_x: bool = False) -> torch.Tensor | PartialSums:
     """The decode kernel for 1..DECODE_ROW_LIMIT rows of bf16 / fp16 x (linear takes it up to FP8_MAX_ROWS; the
-    benchmark also times it above). park: a split-K launch without bias or out returns PartialSums."""
+    benchmark also times it above). park: a split-K launch without bias or out returns PartialSums. quantize_x:
+    x is quantized to e4m3 first (quantize_rows: per row, or per 128-column group for block scales) and the kernel
+    multiplies FP8 by FP8; otherwise W is widened to x's dtype."""
     block = _is_block(weight, scale) if block is None else block
     rows = _row_count(x)
     if not 0 < rows <= DECODE_ROW_LIMIT or not _kernel_ok(x):
@@ -237,6 +264,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bi
     s = scale.float().contiguous()
     n, k = w.shape
     cfg = config or choose_config(n, k, _sms(x), block)
+    quantize_x = quantize_x or cfg.quantize_x
+    xk, xs = quantize_rows(x2, _BLOCK if block else None, pdl=pdl) if quantize_x else (x2, s)
     if block and _BLOCK % cfg.block_k:
         raise ValueError(f"block scales need a K step that divides {_BLOCK}, got block_k={cfg.block_k}")
     if out is not None and (x.dim() != 2 or out.shape != (rows, n) or out.dtype != x.dtype):
@@ -253,11 +282,12 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bi
     else:
         y = parts = counts = out if out is not None else buffers.alloc((rows, n), x.dtype, x.device)  # parts unused
     _fp8_skinny_kernel[(tiles, cfg.split_k)](
-        x2, w, s, bias if bias is not None else s, y, parts, counts, rows, n, k, x2.stride(0), w.stride(0),
-        y.stride(0), s.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PDL=pdl, PARK=parked is not None,
-        GATED=False, BLOCK_SCALES=block, num_warps=cfg.num_warps,
-        num_stages=_stages(cfg, block_m, x.element_size()), launch_pdl=pdl,
+        xk, xs, w, s, bias if bias is not None else s, y, parts, counts, rows, n, k, xk.stride(0),
+        xs.stride(0) if quantize_x else 0, w.stride(0), y.stride(0), s.stride(0), HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, PDL=pdl, PARK=parked is not None, GATED=False, BLOCK_SCALES=block,
+        X_FP8=quantize_x, num_warps=cfg.num_warps, num_stages=_stages(cfg, block_m, xk.element_size()),
+        launch_pdl=pdl,
     )
     if parked is not None:
         return PartialSums(parked, x.dtype)
@@ -266,31 +296,34 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bi
 
 def linear_silu_and_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, scale: torch.Tensor,
                         bias: torch.Tensor | None = None, config: LinearConfig | None = None, *,
-                        pdl: bool = False) -> torch.Tensor:
+                        pdl: bool = False, quantize_x: bool = False) -> torch.Tensor:
     """silu_and_mul(linear(x, gate_up_weight, scale, bias)) for an e4m3 [gate; up] (2I, K): (…, I).
 
     Up to FP8_MAX_ROWS rows without bias: one kernel whose programs take the same rows of both halves (config's
     block_n counts both; None: choose_gated_config). A bias, a split-K config, a block_n under 32 or more rows
-    run linear and triton_layers.silu_and_mul, with the same numerics."""
+    run linear and triton_layers.silu_and_mul, with the same numerics. quantize_x as decode_linear takes it."""
     block = _is_block(gate_up_weight, scale)
     rows = _row_count(x)
     two_i, k = gate_up_weight.shape
     cfg = config or choose_gated_config(two_i, k, _sms(x), block)
     if (rows == 0 or rows > FP8_MAX_ROWS or bias is not None or cfg.split_k > 1 or cfg.block_n < 32 or two_i % 2
             or not _kernel_ok(x)):
-        return triton_layers.silu_and_mul(linear(x, gate_up_weight, scale, bias, config=config, pdl=pdl), pdl=pdl)
+        return triton_layers.silu_and_mul(linear(x, gate_up_weight, scale, bias, config=config, pdl=pdl,
+                                                 quantize_x=quantize_x), pdl=pdl)
     if block and _BLOCK % cfg.block_k:
         raise ValueError(f"block scales need a K step that divides {_BLOCK}, got block_k={cfg.block_k}")
     x2 = _rows2d(x, rows)
     w = gate_up_weight if gate_up_weight.stride(-1) == 1 else gate_up_weight.contiguous()
     s = scale.float().contiguous()
+    quantize_x = quantize_x or cfg.quantize_x
+    xk, xs = quantize_rows(x2, _BLOCK if block else None, pdl=pdl) if quantize_x else (x2, s)
     inter, block_n, block_m = two_i // 2, cfg.block_n // 2, _block_m(rows)
     y = buffers.alloc((rows, inter), x.dtype, x.device)
     _fp8_skinny_kernel[(triton.cdiv(inter, block_n), 1)](
-        x2, w, s, s, y, y, y, rows, inter, k, x2.stride(0), w.stride(0), y.stride(0), s.stride(0),
-        HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=1, PDL=pdl, PARK=False, GATED=True, BLOCK_SCALES=block, num_warps=cfg.num_warps,
-        num_stages=_stages(cfg, block_m, x.element_size()), launch_pdl=pdl,
+        xk, xs, w, s, s, y, y, y, rows, inter, k, xk.stride(0), xs.stride(0) if quantize_x else 0, w.stride(0),
+        y.stride(0), s.stride(0), HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=1, PDL=pdl, PARK=False, GATED=True, BLOCK_SCALES=block, X_FP8=quantize_x,
+        num_warps=cfg.num_warps, num_stages=_stages(cfg, block_m, xk.element_size()), launch_pdl=pdl,
     )
     return y.view(*x.shape[:-1], inter)
 

@@ -6,13 +6,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class LinearConfig:
-    """One launch shape: W rows per program, K per loop step, warps, pipeline stages, K splits."""
+    """One launch shape: W rows per program, K per loop step, warps, pipeline stages, K splits, and (FP8 weights
+    only) whether x is quantized to e4m3 so that the kernel multiplies FP8 by FP8."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1  # > 1: K is cut in this many runs; the last program of a W slice to finish adds them up
+    quantize_x: bool = False  # FP8 weights: x quantized per row (per 128 columns for block scales), FP8 x FP8 MMAs
 
 
 @dataclass(frozen=True, slots=True)
