@@ -292,7 +292,9 @@ def _profile_engine_thread(sort: str, top: int) -> None:
     import cProfile
     import pstats
 
-    original = Engine._run
+    from backend.engine_loop import EngineLoop
+
+    original = EngineLoop.run
 
     def run(self):
         prof = cProfile.Profile()
@@ -303,7 +305,7 @@ def _profile_engine_thread(sort: str, top: int) -> None:
             prof.disable()
             pstats.Stats(prof, stream=sys.stdout).sort_stats(sort).print_stats(top)
 
-    Engine._run = run
+    EngineLoop.run = run
 
 
 def _row(r: dict) -> str:
