@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from backend.structured.spec import StructuredOutputs, parse_structured_outputs
+
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
@@ -43,6 +45,9 @@ class SamplingParams:
     allowed_token_ids: list[int] = field(default_factory=list)  # non-empty: sample only among these
     bad_words: list[str] = field(default_factory=list)  # never generated (each as text, with and without a space)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    # a JSON schema, regex, choice or grammar the output must follow (backend/structured): the value a client sends
+    # (a JSON string or an object), parsed into StructuredOutputs
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +60,8 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         if isinstance(self.logit_bias, dict):  # JSON object keys are strings: {"50256": -100}
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        if not isinstance(self.structured_outputs, StructuredOutputs):
+            self.structured_outputs = parse_structured_outputs(self.structured_outputs)
         self.validate()
 
     @classmethod
@@ -224,6 +231,10 @@ class Request:
     forks: list["Request"] = field(default_factory=list)
     bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words as token sequences
     edits_logits: bool = False  # min_tokens, logit_bias, allowed_token_ids or bad_words: see logit_rules
+    # structured outputs: the compiled constraint (made in the caller's thread), and this sample's matcher, made
+    # when its first token is masked and advanced by every token it accepts
+    grammar: Any = None
+    matcher: Any = None
     # made where the request is made, in the caller's thread (BlockManager.prepare_prompt), so the loop neither
     # converts nor hashes a prompt: the prompt as an int64 array (prefill chunks copy from it), and (block size,
     # the chained prefix-cache hash of each full prompt block); None: made by the loop when first needed
@@ -288,7 +299,7 @@ class Request:
         p = self.params
         self.plain_greedy = (p.temperature == 0.0 and p.logprobs is None and p.min_tokens == 0
                              and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                             and p.frequency_penalty == 0.0 and not p.has_logit_rules)
+                             and p.frequency_penalty == 0.0 and not p.has_logit_rules and self.grammar is None)
         self.edits_logits = bool(p.min_tokens) or p.has_logit_rules
         if not self.group_id:
             self.group_id = self.request_id

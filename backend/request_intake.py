@@ -3,6 +3,7 @@ reserved, seeded, the prompt's KV blocks prepared, so the loop does none of it."
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Sequence
 
 from backend.admission import Admission
@@ -23,6 +24,10 @@ class RequestIntake:
         self._eos = frozenset(spec.eos_token_ids)
         self._blocks = block_manager
         self._counter = itertools.count()
+        self._tokenizer = tokenizer
+        self._vocab_size = spec.vocab_size
+        self._grammars = None  # the GrammarCompiler, made for the first structured request
+        self._grammars_lock = threading.Lock()
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._counter)}"
@@ -33,6 +38,7 @@ class RequestIntake:
         its prompt's KV blocks). ValueError for bad input or an id in use, EngineOverloaded when the queue is full."""
         token_ids = self.admission.prompt_ids(prompt, params)
         bad_words = self.admission.bad_word_ids(params.bad_words)
+        grammar = self._compile(params)
         samples: list[Request] = []
         for index, sample_id in enumerate(self.ids.reserve(request_id, params.n)):
             if params.seed is not None:
@@ -40,9 +46,25 @@ class RequestIntake:
             else:
                 seed = (self._seed * 1_000_003 + hash(sample_id)) & 0x7FFFFFFF
             req = Request(sample_id, token_ids, params, seed, self._eos, group_id=request_id, sample_index=index,
-                          bad_word_ids=bad_words)
+                          bad_word_ids=bad_words, grammar=grammar)
             req.final_only = not stream_outputs and not params.stop and params.logprobs is None
             self._blocks.prepare_prompt(req, like=samples[0] if samples else None)
             samples.append(req)
         samples[0].forks = samples[1:]
         return samples
+
+    def _compile(self, params: SamplingParams):
+        """The request's compiled output constraint (cached by its text), or None; ValueError naming what is wrong.
+        Compiled here, on the caller's thread: the loop never waits for a grammar, and a request holds no seat
+        while its grammar compiles."""
+        if params.structured_outputs is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                from backend.structured.grammar import GrammarCompiler  # the grammar library loads on first use
+
+                eos = getattr(self._tokenizer, "eos_token_id", None)
+                if eos not in self._eos:
+                    eos = min(self._eos) if self._eos else None
+                self._grammars = GrammarCompiler(self._tokenizer, self._vocab_size, eos)
+        return self._grammars.compile(params.structured_outputs)

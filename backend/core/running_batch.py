@@ -119,8 +119,9 @@ class RunningBatch:
         # checked row by row; and how many rows are not plain greedy, edit logits, or report logprobs
         self._stop_counts: Counter = Counter()
         self.stop_ids: frozenset = frozenset()
-        self._not_plain = self._editing = 0
-        self._checked: set[Request] = set()  # rows whose every token the update checks: they report logprobs
+        self._not_plain = self._editing = self._constrained = 0
+        # rows whose every token the update checks: they report logprobs or advance a grammar's matcher
+        self._checked: set[Request] = set()
         self._index_rows()
         self.version = 0  # bumped whenever rows leave or join: a step packed under another version has other rows
         # how each recent version came from the one before: ("take", RowsTaken) or ("append", requests added at the
@@ -140,6 +141,11 @@ class RunningBatch:
     @property
     def any_edits_logits(self) -> bool:
         return bool(self._editing)
+
+    @property
+    def any_constrained(self) -> bool:
+        """Some row follows a grammar (structured outputs): its step's sampling needs a token mask."""
+        return bool(self._constrained)
 
     def _columns(self, reqs: list[Request], src_rows) -> np.ndarray:
         """The per-row values for reqs, read from the requests themselves: (len(_INTS), rows) ints."""
@@ -254,7 +260,8 @@ class RunningBatch:
         """A row joins (sign 1) or leaves (-1): the batch's counts of rows by kind follow."""
         self._not_plain += sign * (not req.plain_greedy)
         self._editing += sign * req.edits_logits
-        if req.params.logprobs is not None:
+        self._constrained += sign * (req.grammar is not None)
+        if req.params.logprobs is not None or req.grammar is not None:
             if sign > 0:
                 self._checked.add(req)
             else:

@@ -7,6 +7,7 @@ when it is preempted, so its recompute finds them): only a later prompt can repe
 that prompt once it has the output. Hashing them as they fill cost a call a step for every sixteenth row."""
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -14,10 +15,12 @@ from backend.core.kv_cache import BlockManager
 from backend.core.scheduler import Scheduler
 from backend.core.running_batch import mask_without
 from backend.outputs.processor import StepEvent
-from backend.request import FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
+from backend.request import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
 
 if TYPE_CHECKING:
     from backend.step_records import StepResult, StepState
+
+log = logging.getLogger(__name__)
 
 
 class StepUpdater:
@@ -67,6 +70,8 @@ class StepUpdater:
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             reason = self._stop_reason(req, tok)
+            if reason is None and req.matcher is not None:
+                reason = _grammar_stop(req, tok)
             if req.final_only:  # no per-step event: the output thread hears of it once, at the end
                 if reason is None:
                     continue
@@ -137,3 +142,12 @@ class StepUpdater:
             next_state.batch.free_after.append(req)
         else:
             self.block_manager.free(req)
+
+
+def _grammar_stop(req: Request, tok: int) -> str | None:
+    """Advance req's grammar by its new token: "stop" where the grammar is complete and can take no more, an error
+    where the token breaks it (the mask should have made that impossible), else None."""
+    if not req.matcher.accept(tok):
+        log.error("request %s: token %d breaks its grammar", req.request_id, tok)
+        return FINISH_ERROR
+    return FINISH_STOP if req.matcher.is_stopped else None

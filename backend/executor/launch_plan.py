@@ -20,6 +20,7 @@ class LaunchPlan:
     width: int  # block-table columns an eager forward reads (a captured graph reads them all)
     max_len: int  # the longest context an eager forward reads
     argmax_only: bool = False  # every row is plain greedy on a decode graph: the graph's argmax is each token
+    constrained: bool = False  # some row follows a grammar: its token mask applies before the (eager) sampler
 
     @property
     def graph(self) -> bool:

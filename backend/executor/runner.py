@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from backend.core.scheduler import ScheduledBatch
+from backend.executor.grammar_masks import GrammarMasks
 from backend.executor.graphs import DecodeGraphs
 from backend.executor.launch_plan import LaunchPlan
 from backend.executor.packer import SlotPacker
@@ -31,6 +32,7 @@ class ModelRunner:
         self.pipeline = Pipeline(layout, device, timeline)
         self.sampler = Sampler(model.ops.sample_rows if fused_sampler else None)
         self.vocab_size = model.spec.vocab_size
+        self.grammar_masks = GrammarMasks(self.vocab_size)
         self.sampler.vocab_hash(self.vocab_size, device)  # cached before any graph capture
         self.packer = SlotPacker(self.pipeline, layout, block_size, device)
         self.graphs: DecodeGraphs | None = None
@@ -158,7 +160,8 @@ class ModelRunner:
     def plan(self, st: StepState) -> LaunchPlan:
         """The one place that decides how a step runs: a decode graph where one fits, else a mixed graph for its
         token count, else the eager forward (always with penalties: their tables vary in width); the sampler's rows
-        and settings, and the logit edits."""
+        and settings, the logit edits, and whether a grammar masks rows (then the sampling waits for the step
+        before's tokens: sample_after_previous)."""
         n = len(st.sampled)
         bucket = self._graph_bucket(st)
         tokens = None if bucket is not None else self._mixed_bucket(st)
@@ -173,7 +176,10 @@ class ModelRunner:
             sampling = self.packer.sampling_rows(st, rows)
         edits = self.packer.logit_edits(st)
         graph = bucket is not None or tokens is not None
-        return LaunchPlan(bucket, tokens, rows, logits_rows, sampling, edits, *self._context(st, graph))
+        constrained = n > 0 and self._any_constrained(st)
+        st.sample_after_previous = st.sample_after_previous or constrained
+        return LaunchPlan(bucket, tokens, rows, logits_rows, sampling, edits, *self._context(st, graph),
+                          constrained=constrained)
 
     def _forward(self, st: StepState, plan: LaunchPlan, prev_slot: Slot | None) -> tuple[bool, float | None]:
         """Queue the forward (carry-over, model, logits, and a decode graph's argmax); returns (whether it was a
@@ -197,7 +203,7 @@ class ModelRunner:
             return rows, True, 0.0
         if sampling is None:  # only partial prefill chunks: the step writes KV and samples nothing
             return 0, True, 0.0
-        if plan.graph and plan.edits is None and sampling.num_logprobs < 0:
+        if plan.graph and plan.edits is None and sampling.num_logprobs < 0 and not plan.constrained:
             if plan.bucket is not None and sampling.all_greedy:
                 return rows, True, 0.0  # the graph already wrote the greedy tokens into this slot's outputs
             if self.graphs.samples and self.graphs.has_sampler(slot, rows):  # the fused sampler, captured
@@ -206,6 +212,8 @@ class ModelRunner:
         n = len(st.sampled)
         if plan.edits is not None:
             plan.edits.apply(st.logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:n]])
+        if plan.constrained:  # after the edits: a grammar's ban stands whatever a bias adds
+            self.grammar_masks.apply(st.logits[:n], st.sampled)
         if sampling.any_penalty:
             self._append_input_tokens(slot, sampling, n)
         self.sampler.sample_into(st.logits[:rows], sampling, slot.targets)
@@ -236,6 +244,11 @@ class ModelRunner:
         if self.graphs is None or not batch.is_decode_only or len(st.sampled) != len(batch):
             return None
         return self.graphs.bucket_for(len(batch))
+
+    @staticmethod
+    def _any_constrained(st: StepState) -> bool:
+        """Some sampled row follows a grammar: the decode rows' count is kept; the prefill rows are few."""
+        return st.batch.rows.any_constrained or any(r.grammar is not None for r in st.sampled[st.batch.num_rows:])
 
     @staticmethod
     def _all_plain_greedy(st: StepState) -> bool:

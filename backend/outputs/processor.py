@@ -215,8 +215,10 @@ class OutputProcessor:
                 if ev.logprob is not None and state.logprobs is not None:
                     state.logprobs.append(_logprob_entry(ev.token, ev.logprob))
         last = item.last
-        # the token that stopped the request (EOS / a stop id) is in token_ids but not in the text
-        hidden = last.finish_reason == FINISH_STOP and last.token is not None
+        # the token that stopped the request (EOS / a stop id) is in token_ids but not in the text; a token that
+        # completed the request's grammar is text like any other
+        hidden = (last.finish_reason == FINISH_STOP and last.token is not None
+                  and last.token in state.request.stop_ids)
         if state.final_only:
             if last.finish_reason is not None:
                 ids = state.token_ids

@@ -1,7 +1,8 @@
 """Sampling keys that Triton's vLLM backend takes and Tandem's SamplingParams has no field for.
 
 Clients of that backend (Triton's OpenAI-compatible frontend among them) send them with every request: "best_of"
-(= n), chat's "logprobs": false with "top_logprobs", nulls for unset fields. Each key is either translated to a
+(= n), chat's "logprobs": false with "top_logprobs", nulls for unset fields, "structured_outputs" (or the older
+"guided_decoding") as a JSON string. Each key is either translated to a
 SamplingParams field, accepted where it asks for what Tandem does anyway, or refused with a message that says
 why; a key no client of that backend sends stays an error in SamplingParams itself.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backend.structured.spec import parse_structured_outputs
 from backend.text_values import bool_word
 
 # keys whose only value Tandem honours is the one vLLM defaults to
@@ -47,9 +49,11 @@ def translate_vllm_keys(values: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("logprobs: -1 (the whole vocabulary) is not supported; ask for at most 20")
     if out.pop("lora_name", None) is not None:
         raise ValueError("lora_name: LoRA is not enabled on this model (it serves its base weights only)")
-    for key in _STRUCTURED:
-        if out.pop(key, None) is not None:
-            raise ValueError(f"{key}: structured outputs (JSON schema, regex, grammar, choice) are not supported yet")
+    given = [key for key in _STRUCTURED if key in out]
+    if len(given) > 1:
+        raise ValueError("give structured_outputs or its older name guided_decoding, not both")
+    if given:  # parsed here so an error names the key the client sent
+        out["structured_outputs"] = parse_structured_outputs(out.pop(given[0]), given[0])
     for key, default in _DEFAULT_ONLY.items():
         if key in out and bool_word(out.pop(key)) is not default:
             raise ValueError(f"{key}: only {str(default).lower()} is supported")

@@ -5,7 +5,7 @@ import queue
 
 import pytest
 
-from backend.models.random_model import byte_tokenizer
+from backend.models.random_model import EOS_ID as EOS, byte_tokenizer
 from backend.outputs.processor import OutputProcessor, StepEvent
 from backend.request import FINISH_LENGTH, FINISH_STOP, Request, SamplingParams
 
@@ -19,7 +19,7 @@ def _run(tok, params: SamplingParams, batches: list[list[StepEvent]], stream: bo
     stopped: list[str] = []
     processor = OutputProcessor(tok, stopped.append, lambda _rid: None)
     try:
-        req = Request("r", tok.encode("hi", add_special_tokens=False), params, 0, frozenset())
+        req = Request("r", tok.encode("hi", add_special_tokens=False), params, 0, frozenset({EOS}))
         sink: queue.SimpleQueue = queue.SimpleQueue()
         processor.register(req, sink, stream=stream)
         for batch in batches:
@@ -55,9 +55,18 @@ def test_steps_waiting_together_become_one_output_with_all_their_tokens(tok):
 
 
 def test_eos_in_a_batch_joins_the_token_ids_but_not_the_text(tok):
-    ids = tok.encode("ok", add_special_tokens=False) + [0]  # 0 stands for EOS
+    ids = tok.encode("ok", add_special_tokens=False) + [EOS]
     outs, _ = _run(tok, SamplingParams(max_tokens=10), [_events(ids, FINISH_STOP)])
     assert len(outs) == 1 and outs[0].finished and outs[0].delta_token_ids == ids and outs[0].text == "ok"
+
+
+def test_a_token_that_completes_a_grammar_ends_the_request_and_stays_in_the_text(tok):
+    """A constrained request ends with "stop" on the token that completes its grammar (no stop token): that token
+    is text like the others."""
+    ids = tok.encode('{"a":1}', add_special_tokens=False)
+    outs, _ = _run(tok, SamplingParams(max_tokens=10), [_events(ids, FINISH_STOP)])
+    assert outs[-1].finished and outs[-1].finish_reason == FINISH_STOP
+    assert outs[-1].token_ids == ids and outs[-1].text == '{"a":1}'
 
 
 def test_logprobs_of_a_batch_arrive_together(tok):

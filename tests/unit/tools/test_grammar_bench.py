@@ -1,7 +1,7 @@
 """bench.grammar_bench's correctness checks pass for both grammar libraries on both tokenizers.
 
-xgrammar and llguidance are not project dependencies (`pip install xgrammar llguidance`): where either is missing,
-its tests are skipped, as they are in `make test`.
+llguidance is a project dependency (structured outputs run on it); xgrammar is not (`pip install xgrammar`): where
+it is missing, its tests are skipped, as they are in `make test`.
 """
 from __future__ import annotations
 

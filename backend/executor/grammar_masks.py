@@ -1,0 +1,45 @@
+"""The token masks of a step's constrained rows (structured outputs): each row's grammar matcher says which tokens
+may come next; the masked-out logits become -inf before the sampler reads them.
+
+A mask for step N + 1 needs step N's token, which the matcher takes when the step update accepts it. So a step
+with a constrained row samples in a second launch (StepState.sample_after_previous): the loop queues its forward,
+reads and updates step N, and only then fills the masks here and queues the sampling."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from backend.request import Request
+
+
+class GrammarMasks:
+    """Fills and applies the next-token masks of a step's sampled rows that follow a grammar."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._masker = None  # the grammar library's batched filler, made for the first constrained step
+
+    def apply(self, logits: torch.Tensor, sampled: list[Request]) -> None:
+        """Set to -inf, in place, the logits of the tokens each constrained row's grammar does not allow next
+        (rows of logits in the order of sampled; other rows, and finished requests' rows, are left alone)."""
+        from backend.structured.grammar import TokenMasker, apply_token_bitmask
+
+        if self._masker is None:
+            self._masker = TokenMasker(self.vocab_size)
+        apply_token_bitmask(logits, self._masker.fill(_matchers(sampled)))
+
+
+def _matchers(sampled: list[Request]) -> list:
+    """Each sampled row's grammar matcher (made at its first masked token), None where it follows none or has
+    finished (its token is dropped: the request ended while this step was queued)."""
+    out = []
+    for req in sampled:
+        if req.grammar is None or req.is_finished:
+            out.append(None)
+            continue
+        if req.matcher is None:
+            req.matcher = req.grammar.matcher()
+        out.append(req.matcher)
+    return out
