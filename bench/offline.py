@@ -117,6 +117,19 @@ def build_engine(wl: Workload, async_pipeline: bool, args) -> Engine:
     return Engine(EngineConfig(**settings))
 
 
+# the JSON schema --structured-share gives requests: open-ended (notes of any count), so a row's length is the model's
+# choice within max_tokens, as an unconstrained row's is
+NOTES_SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 24},
+                                                 "notes": {"type": "array", "items": {"type": "string"}}},
+                "required": ["title", "notes"]}
+
+
+def constrain(params: list[SamplingParams], share: float) -> list[SamplingParams]:
+    """The first share of the requests (by count) follow NOTES_SCHEMA (structured outputs); the rest unchanged."""
+    k = round(len(params) * share)
+    return [replace(p, structured_outputs={"json": NOTES_SCHEMA}) if i < k else p for i, p in enumerate(params)]
+
+
 def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str = "greedy") -> dict:
     engine = build_engine(wl, async_pipeline, args)
     try:
@@ -128,6 +141,8 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
         else:
             params = [synthetic_params(wl.max_tokens(i), decoding, seed=i) for i in range(n)]
             prompts = make_prompts(n, wl.prompt_len, vocab)
+        if args.structured_share:
+            params = constrain(params, args.structured_share)
         hits_before = engine.stats()["prefix_cache_hits"], engine.stats()["prefix_cache_queries"]
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
@@ -160,6 +175,8 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
             print(f"kernel  {k['ms']:10.2f} ms  {k['share']:6.1%}  {k['calls']:7d} calls  {k['name']}", flush=True)
         if wl.traffic is None and decoding != "greedy":
             result["decoding"] = decoding
+        if args.structured_share:
+            result["structured_share"] = args.structured_share
         if wl.traffic is not None:
             stats = engine.stats()
             queries = stats["prefix_cache_queries"] - hits_before[1]
@@ -244,6 +261,8 @@ def main(argv=None) -> int:
                     help="greedy, sampled or both (greedy,sampled). Mix workloads sample with T 0.7-0.8 and top-p 0.95 "
                          "and run both unless told; synthetic ones sample with T 0.8, top-p 0.95 and top-k 50 and "
                          "run greedy unless told. Sampled requests are seeded")
+    ap.add_argument("--structured-share", type=float, default=0.0, metavar="S",
+                    help="this share of the requests (0-1) follow a JSON schema (structured outputs)")
     ap.add_argument("--compare-new-tokens", type=int, default=None,
                     help="new tokens for the transformers runs (default: the workload's); tok/s is quoted")
     args = ap.parse_args(argv)
@@ -309,7 +328,7 @@ def _profile_engine_thread(sort: str, top: int) -> None:
 
 
 def _row(r: dict) -> str:
-    keys = ["engine", "mode", "decoding", "requests", "wall_s", "requests_per_s", "tok_per_s", "prompt_tok_per_s",
+    keys = ["engine", "mode", "decoding", "structured_share", "requests", "wall_s", "requests_per_s", "tok_per_s", "prompt_tok_per_s",
             "total_tok_per_s",
             "prefix_hit_rate", "gpu_busy", "gpu_busy_uncertain", "gpu_kernel_busy", "cpu_us_per_step", "roofline",
             "peak_mem_gb", "steps", "preemptions", "all_tokens_exact", "cpu_us_by_phase"]

@@ -1,6 +1,7 @@
 """Structured outputs through the engine on the CPU, with the default model's real tokenizer: every output of a JSON
 schema, regex, choice or grammar request follows it, sampled at temperature 1.0, with n = 3, beside unconstrained
-requests, in both pipeline modes; a bad constraint is a ValueError that names what is wrong."""
+requests, in both pipeline modes, through preemption; a bad constraint is a ValueError that names what is wrong.
+(The OpenAI frontend's forced tool call is replayed through tritonserver: tests/integration/test_structured_outputs.py.)"""
 from __future__ import annotations
 
 import json
@@ -25,10 +26,14 @@ TOOL_SCHEMA = {
 PROMPT = "Call the weather tool for a city as JSON."
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
-def engine(request):
-    eng = Engine(EngineConfig(device="cpu", num_kv_blocks=256, max_num_seqs=8, max_model_len=1024,
-                              async_pipeline=request.param))
+def _engine(async_pipeline: bool) -> Engine:
+    return Engine(EngineConfig(device="cpu", num_kv_blocks=256, max_num_seqs=8, max_model_len=1024,
+                               async_pipeline=async_pipeline))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = _engine(async_pipeline=True)
     yield eng
     eng.shutdown()
 
@@ -50,12 +55,19 @@ def test_json_schema_outputs_validate_with_n_3_beside_free_requests(engine):
     assert outs[3].text and outs[3].finish_reason in ("stop", "length")
 
 
-def test_regex_choice_and_grammar_outputs_match(engine):
+@pytest.mark.parametrize("async_pipeline", [True, False], ids=["async", "sync"])
+def test_regex_choice_and_grammar_outputs_match(engine, async_pipeline):
+    """In both pipeline modes (sync: the step's sampling follows its forward with no step in between)."""
     regex = r"[A-Z][a-z]{2,6}-[0-9]{3}"
     choices = ["red", "green", "blue"]
     grammar = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"\n'
-    outs = engine.generate([PROMPT] * 3, [_sampled({"regex": regex}), _sampled({"choice": choices}),
-                                          _sampled({"grammar": grammar})])
+    eng = engine if async_pipeline else _engine(async_pipeline=False)
+    try:
+        outs = eng.generate([PROMPT] * 3, [_sampled({"regex": regex}), _sampled({"choice": choices}),
+                                           _sampled({"grammar": grammar})])
+    finally:
+        if eng is not engine:
+            eng.shutdown()
     assert re.fullmatch(regex, outs[0].text), outs[0].text
     assert outs[1].text in choices
     assert re.fullmatch(r"The answer is (yes|no)\.", outs[2].text), outs[2].text
@@ -69,17 +81,6 @@ def test_greedy_constrained_output_stops_where_the_stop_string_cuts_it(engine):
     assert out.text.startswith("{") and '"days"' not in out.text
 
 
-def test_the_openai_frontends_forced_tool_call_request_validates(engine):
-    """What the OpenAI frontend sends for a forced tool call: every field of the params present, most null."""
-    sent = json.dumps({"json": json.dumps(TOOL_SCHEMA), "regex": None, "choice": None, "grammar": None,
-                       "json_object": None, "disable_fallback": False, "disable_any_whitespace": False,
-                       "disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None,
-                       "_backend": None, "_backend_was_auto": False})
-    out = engine.generate([PROMPT], _sampled(sent, max_tokens=120))[0]
-    assert out.finish_reason == "stop", out.text
-    jsonschema.validate(json.loads(out.text), TOOL_SCHEMA)
-
-
 @pytest.mark.parametrize("structured, message", [
     ({"json": TOOL_SCHEMA, "regex": "a+"}, "json"),
     ({"regex": "(unclosed"}, "regex"),
@@ -91,3 +92,36 @@ def test_bad_constraints_are_errors_and_the_engine_keeps_serving(engine, structu
         engine.generate([PROMPT], _sampled(structured))
     out = engine.generate([PROMPT], _sampled({"choice": ["ok"]}))[0]
     assert out.text == "ok"
+
+
+DIGITS_16 = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 16,
+             "maxItems": 16}
+
+
+def test_constrained_rows_stay_valid_through_preemption():
+    """A cache too small for all rows preempts some mid-output; each keeps its matcher and its tokens, so every
+    output still validates."""
+    engine = Engine(EngineConfig(device="cpu", num_kv_blocks=10, max_num_seqs=6, max_model_len=256))
+    try:
+        params = [_sampled({"json": DIGITS_16, "disable_any_whitespace": True}, seed=i, max_tokens=60)
+                  for i in range(6)]
+        outs = engine.generate(["Sixteen digits:"] * 6, params)
+        assert engine.stats()["preemptions"] > 0
+    finally:
+        engine.shutdown()
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), DIGITS_16)
+
+
+def test_logprobs_of_constrained_rows_are_those_of_the_masked_distribution(engine):
+    """Logprobs come from the logits the sampler read, the grammar's mask applied: a greedy constrained token is
+    rank 1 there, and every token the grammar banned has -inf."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3,
+                            structured_outputs={"choice": ["alpha", "omega"]})
+    out = engine.generate([PROMPT], params)[0]
+    assert out.text in ("alpha", "omega")
+    assert [e["token_id"] for e in out.logprobs] == out.token_ids
+    for entry in out.logprobs:
+        assert entry["rank"] == 1 and entry["logprob"] > float("-inf")
+        assert entry["top_logprobs"][0]["token_id"] == entry["token_id"]
