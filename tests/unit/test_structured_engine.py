@@ -125,3 +125,12 @@ def test_logprobs_of_constrained_rows_are_those_of_the_masked_distribution(engin
     for entry in out.logprobs:
         assert entry["rank"] == 1 and entry["logprob"] > float("-inf")
         assert entry["top_logprobs"][0]["token_id"] == entry["token_id"]
+
+
+def test_logit_bias_cannot_break_the_grammar(engine):
+    """A +100 bias on tokens the grammar bans does not bring them back: the outputs are still choices."""
+    tok = engine.tokenizer
+    pushed = {t: 100.0 for t in tok.encode(" the of and to a in", add_special_tokens=False)}
+    outs = engine.generate([PROMPT] * 4, [_sampled({"choice": ["Paris", "Lima"]}, logit_bias=pushed, seed=s)
+                                          for s in range(4)])
+    assert all(o.text in ("Paris", "Lima") for o in outs), [o.text for o in outs]
