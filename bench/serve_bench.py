@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.offline import NOTES_SCHEMA, constrain
 from bench.open_loop import Slo, poisson_arrivals, run_open_loop, summarize, timed_stream
 from scripts.tritonserver_env import free_ports, make_model_repository, start_server, stop_server, wait_until_ready
 
@@ -31,14 +32,17 @@ def make_requests(n: int, prompt_len: tuple[int, int], new_tokens: int, seed: in
     return [[rng.randrange(3, 250) for _ in range(rng.randint(*prompt_len))] for _ in range(n)]
 
 
-async def drive(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
-    """One wave: every prompt streamed at once; per-request TTFT, ITL and tokens."""
+async def drive(url: str, prompts: list[list[int]], new_tokens: int, constrained: int = 0) -> dict:
+    """One wave: every prompt streamed at once; per-request TTFT, ITL and tokens. constrained: the first that many
+    requests follow NOTES_SCHEMA (structured outputs), and their ITL and the others' are also reported apart."""
     from tandem_client import AsyncClient, GenerateRequest
 
     client = AsyncClient(url, protocol="grpc")
+    schema = {"structured_outputs": json.dumps({"json": NOTES_SCHEMA})}
 
-    async def one(ids: list[int]):
-        req = GenerateRequest(input_ids=ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    async def one(i: int, ids: list[int]):
+        req = GenerateRequest(input_ids=ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                              extra=schema if i < constrained else {})
         start = time.perf_counter()
         first, tokens = None, 0
         async for chunk in client.stream(req):
@@ -51,14 +55,18 @@ async def drive(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
         return first, itl, end, tokens
 
     start = time.perf_counter()
-    results = await asyncio.gather(*(one(p) for p in prompts))
+    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - start
     await client.close()
     ttft = sorted(r[0] for r in results if r[0] is not None)
     itl = sorted(r[1] for r in results if r[1] is not None)
     tokens = sum(r[3] for r in results)
-    return dict(requests=len(prompts), wall_s=round(wall, 3), output_tokens=tokens,
-                tok_per_s=round(tokens / wall, 1), ttft_ms=_pcts(ttft), itl_ms=_pcts(itl))
+    out = dict(requests=len(prompts), wall_s=round(wall, 3), output_tokens=tokens,
+               tok_per_s=round(tokens / wall, 1), ttft_ms=_pcts(ttft), itl_ms=_pcts(itl))
+    if constrained:
+        out["itl_ms_constrained"] = _pcts(sorted(r[1] for r in results[:constrained] if r[1] is not None))
+        out["itl_ms_unconstrained"] = _pcts(sorted(r[1] for r in results[constrained:] if r[1] is not None))
+    return out
 
 
 def _pcts(values: list[float]) -> dict:
@@ -91,8 +99,8 @@ def server_side(before: dict[str, float], after: dict[str, float]) -> dict:
                 server_gpu_busy=after.get("tandem_gpu_busy_ratio"))
 
 
-def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int, stream: bool = False
-            ) -> dict[int, dict]:
+def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int, stream: bool = False,
+            structured_share: float = 0.0) -> dict[int, dict]:
     """The engine alone on the same requests, wave by wave; stream=True: every request streams its outputs
     (detokenized each step by the output thread), as the served path does before Triton's own work."""
     from backend import Engine, EngineConfig, SamplingParams
@@ -102,9 +110,11 @@ def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int
     engine = Engine(cfg)
     out = {}
     try:
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        plain = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for n, prompts in waves.items():
+            # the same requests as the served wave: its first share constrained
+            params = constrain([plain] * n, structured_share) if structured_share else plain
             start = time.perf_counter()
             outs = stream_all(engine, prompts, params) if stream else engine.generate(prompts, params)
             wall = time.perf_counter() - start
@@ -137,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mix-requests", type=int, default=500, help="--rates: requests sent at each rate")
     ap.add_argument("--decoding", default="sampled", choices=["sampled", "greedy"], help="--rates: the mix's decoding")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="--rates: goodput's TTFT limit")
+    ap.add_argument("--structured-share", type=float, default=0.0, metavar="S",
+                    help="waves: this share of each wave's requests follow a JSON schema (structured outputs); "
+                         "their inter-token latency and the others' are reported apart")
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0, help="--rates: goodput's TPOT limit")
     args = ap.parse_args(argv)
     if args.rates:
@@ -159,14 +172,16 @@ def main(argv=None) -> int:
         asyncio.run(drive(f"localhost:{grpc}", waves[levels[0]][:4], 8))  # warm-up
         for n in levels:
             before = scrape(metrics)
-            served[n] = asyncio.run(drive(f"localhost:{grpc}", waves[n], args.new_tokens))
+            served[n] = asyncio.run(drive(f"localhost:{grpc}", waves[n], args.new_tokens,
+                                          constrained=round(n * args.structured_share)))
             time.sleep(0.6)  # why: the sender flushes its latency figures every 0.1 s and the gauges every 0.5 s
             served[n].update(server_side(before, scrape(metrics)))
             print(f"triton  concurrency={n}  " + "  ".join(f"{k}={v}" for k, v in served[n].items()), flush=True)
     finally:
         stop_server(proc)
-    engine = offline(parameters, waves, args.new_tokens)
-    streamed = offline(parameters, waves, args.new_tokens, stream=True) if args.engine_stream else {}
+    engine = offline(parameters, waves, args.new_tokens, structured_share=args.structured_share)
+    streamed = offline(parameters, waves, args.new_tokens, stream=True, structured_share=args.structured_share) \
+        if args.engine_stream else {}
     for n in levels:
         served[n]["engine_tok_per_s"] = engine[n]["tok_per_s"]
         served[n]["triton_vs_engine"] = round(served[n]["tok_per_s"] / engine[n]["tok_per_s"], 3)
