@@ -13,6 +13,11 @@ export PYTHONUNBUFFERED=1
 fail=0
 
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "test-gpu: CUDA is not available")' || exit 2
+# a host without the structured-outputs library (llguidance, requirements.txt) may bring its wheel in .whl/
+if ! "$PY" -c 'import llguidance' 2>/dev/null && ls .whl/llguidance-*.whl > /dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/tandem-site .whl/llguidance-*.whl &&
+    export PYTHONPATH=/tmp/tandem-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 "$PY" -m pytest tests/gpu tests/kernels -q -p no:cacheprovider 2>&1 | tee "$LOG_DIR/tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" -eq 0 ] || fail=1
