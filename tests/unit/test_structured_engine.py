@@ -26,9 +26,13 @@ TOOL_SCHEMA = {
 PROMPT = "Call the weather tool for a city as JSON."
 
 
-def _engine(async_pipeline: bool) -> Engine:
-    return Engine(EngineConfig(device="cpu", num_kv_blocks=256, max_num_seqs=8, max_model_len=1024,
-                               async_pipeline=async_pipeline))
+def _engine(async_pipeline: bool, like: Engine | None = None, **settings) -> Engine:
+    """An engine on the CPU over the default model; like: share that engine's loaded model and tokenizer."""
+    config = EngineConfig(**{**dict(device="cpu", num_kv_blocks=256, max_num_seqs=8, max_model_len=1024,
+                                    async_pipeline=async_pipeline), **settings})
+    if like is None:
+        return Engine(config)
+    return Engine(config, model=like.parts.model, tokenizer=like.tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,7 @@ def test_regex_choice_and_grammar_outputs_match(engine, async_pipeline):
     regex = r"[A-Z][a-z]{2,6}-[0-9]{3}"
     choices = ["red", "green", "blue"]
     grammar = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"\n'
-    eng = engine if async_pipeline else _engine(async_pipeline=False)
+    eng = engine if async_pipeline else _engine(async_pipeline=False, like=engine)
     try:
         outs = eng.generate([PROMPT] * 3, [_sampled({"regex": regex}), _sampled({"choice": choices}),
                                            _sampled({"grammar": grammar})])
@@ -94,24 +98,24 @@ def test_bad_constraints_are_errors_and_the_engine_keeps_serving(engine, structu
     assert out.text == "ok"
 
 
-DIGITS_16 = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 16,
-             "maxItems": 16}
+DIGITS_12 = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 12,
+             "maxItems": 12}
 
 
-def test_constrained_rows_stay_valid_through_preemption():
+def test_constrained_rows_stay_valid_through_preemption(engine):
     """A cache too small for all rows preempts some mid-output; each keeps its matcher and its tokens, so every
     output still validates."""
-    engine = Engine(EngineConfig(device="cpu", num_kv_blocks=10, max_num_seqs=6, max_model_len=256))
+    small = _engine(async_pipeline=True, like=engine, num_kv_blocks=6, max_num_seqs=4, max_model_len=128)
     try:
-        params = [_sampled({"json": DIGITS_16, "disable_any_whitespace": True}, seed=i, max_tokens=60)
-                  for i in range(6)]
-        outs = engine.generate(["Sixteen digits:"] * 6, params)
-        assert engine.stats()["preemptions"] > 0
+        params = [_sampled({"json": DIGITS_12, "disable_any_whitespace": True}, seed=i, max_tokens=40)
+                  for i in range(4)]
+        outs = small.generate(["Twelve digits:"] * 4, params)
+        assert small.stats()["preemptions"] > 0
     finally:
-        engine.shutdown()
+        small.shutdown()
     for out in outs:
         assert out.finish_reason == "stop", out.text
-        jsonschema.validate(json.loads(out.text), DIGITS_16)
+        jsonschema.validate(json.loads(out.text), DIGITS_12)
 
 
 def test_logprobs_of_constrained_rows_are_those_of_the_masked_distribution(engine):
