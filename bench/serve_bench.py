@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.offline import NOTES_SCHEMA, constrain
 from bench.open_loop import Slo, poisson_arrivals, run_open_loop, summarize, timed_stream
 from scripts.tritonserver_env import free_ports, make_model_repository, start_server, stop_server, wait_until_ready
 
@@ -35,6 +34,7 @@ def make_requests(n: int, prompt_len: tuple[int, int], new_tokens: int, seed: in
 async def drive(url: str, prompts: list[list[int]], new_tokens: int, constrained: int = 0) -> dict:
     """One wave: every prompt streamed at once; per-request TTFT, ITL and tokens. constrained: the first that many
     requests follow NOTES_SCHEMA (structured outputs), and their ITL and the others' are also reported apart."""
+    from bench.offline import NOTES_SCHEMA
     from tandem_client import AsyncClient, GenerateRequest
 
     client = AsyncClient(url, protocol="grpc")
@@ -104,7 +104,7 @@ def offline(parameters: dict, waves: dict[int, list[list[int]]], new_tokens: int
     """The engine alone on the same requests, wave by wave; stream=True: every request streams its outputs
     (detokenized each step by the output thread), as the served path does before Triton's own work."""
     from backend import Engine, EngineConfig, SamplingParams
-    from bench.offline import stream_all
+    from bench.offline import constrain, stream_all
 
     cfg = EngineConfig.from_dict({k: v for k, v in parameters.items() if k in EngineConfig.__dataclass_fields__})
     engine = Engine(cfg)

@@ -21,25 +21,10 @@ from tests.integration.test_triton_serving import (
     GrpcStream, grpc_inputs, http_generate, scrape, scrape_finished, wait_for,
 )
 from tests.integration.test_vllm_conventions import CHAT, FRONTEND_FLAGS, ask
+from tests.structured_cases import CHOICES, GRAMMAR, GRAMMAR_LANGUAGE, PROMPT, REGEX, TOOL_SCHEMA
 
 pytestmark = pytest.mark.integration
 
-PROMPT = "Call the weather tool for a city as JSON."
-TOOL_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Lima", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 14},
-        "units": {"type": "string", "enum": ["metric", "imperial"]},
-        "alerts": {"type": "boolean"},
-    },
-    "required": ["city", "days", "units", "alerts"],
-    "additionalProperties": False,
-}
-REGEX = r"[A-Z][a-z]{2,6}-[0-9]{3}"
-CHOICES = ["red", "green", "blue"]
-GRAMMAR = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"\n'
-GRAMMAR_LANGUAGE = r"The answer is (yes|no)\."  # the grammar's language, as a regex
 # each constraint (as a structured_outputs object) and a check of one output text against it
 CONSTRAINTS = {
     "json": ({"json": TOOL_SCHEMA, "disable_any_whitespace": True},

@@ -1,7 +1,7 @@
 """Structured outputs through the engine on the CPU, with the default model's real tokenizer: every output of a JSON
 schema, regex, choice or grammar request follows it, sampled at temperature 1.0, with n = 3, beside unconstrained
 requests, in both pipeline modes, through preemption; a bad constraint is a ValueError that names what is wrong.
-(The OpenAI frontend's forced tool call is replayed through tritonserver: tests/integration/test_structured_outputs.py.)"""
+(The OpenAI frontend's forced tool call is replayed through tritonserver: test_structured_outputs.py there.)"""
 from __future__ import annotations
 
 import json
@@ -11,19 +11,8 @@ import jsonschema
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
+from tests.structured_cases import CHOICES, GRAMMAR, GRAMMAR_LANGUAGE, PROMPT, REGEX, TOOL_SCHEMA
 
-TOOL_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Lima", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 14},
-        "units": {"type": "string", "enum": ["metric", "imperial"]},
-        "alerts": {"type": "boolean"},
-    },
-    "required": ["city", "days", "units", "alerts"],
-    "additionalProperties": False,
-}
-PROMPT = "Call the weather tool for a city as JSON."
 
 
 def _engine(async_pipeline: bool, like: Engine | None = None, **settings) -> Engine:
@@ -62,19 +51,16 @@ def test_json_schema_outputs_validate_with_n_3_beside_free_requests(engine):
 @pytest.mark.parametrize("async_pipeline", [True, False], ids=["async", "sync"])
 def test_regex_choice_and_grammar_outputs_match(engine, async_pipeline):
     """In both pipeline modes (sync: the step's sampling follows its forward with no step in between)."""
-    regex = r"[A-Z][a-z]{2,6}-[0-9]{3}"
-    choices = ["red", "green", "blue"]
-    grammar = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"\n'
     eng = engine if async_pipeline else _engine(async_pipeline=False, like=engine)
     try:
-        outs = eng.generate([PROMPT] * 3, [_sampled({"regex": regex}), _sampled({"choice": choices}),
-                                           _sampled({"grammar": grammar})])
+        outs = eng.generate([PROMPT] * 3, [_sampled({"regex": REGEX}), _sampled({"choice": CHOICES}),
+                                           _sampled({"grammar": GRAMMAR})])
     finally:
         if eng is not engine:
             eng.shutdown()
-    assert re.fullmatch(regex, outs[0].text), outs[0].text
-    assert outs[1].text in choices
-    assert re.fullmatch(r"The answer is (yes|no)\.", outs[2].text), outs[2].text
+    assert re.fullmatch(REGEX, outs[0].text), outs[0].text
+    assert outs[1].text in CHOICES
+    assert re.fullmatch(GRAMMAR_LANGUAGE, outs[2].text), outs[2].text
 
 
 def test_greedy_constrained_output_stops_where_the_stop_string_cuts_it(engine):
