@@ -13,12 +13,14 @@ export PYTHONUNBUFFERED=1
 fail=0
 
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "test-gpu: CUDA is not available")' || exit 2
-# a host without the structured-outputs library (llguidance, requirements.txt) may bring its wheel in .whl/
-if ! "$PY" -c 'import llguidance' 2>/dev/null && ls .whl/llguidance-*.whl > /dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/tandem-site .whl/llguidance-*.whl &&
+# a host without the structured-outputs library (llguidance, requirements.txt) or the schema validator its tests use
+# (jsonschema) may bring their wheels, with jsonschema's dependencies, in .whl/
+if ! "$PY" -c 'import llguidance, jsonschema' 2>/dev/null; then
+  wheels=$(ls .whl/llguidance-*.whl .whl/jsonschema*.whl .whl/referencing-*.whl .whl/rpds_py-*.whl .whl/attrs-*.whl 2>/dev/null)
+  [ -n "$wheels" ] && "$PY" -m pip install -q --no-index --no-deps --target /tmp/tandem-site $wheels &&
     export PYTHONPATH=/tmp/tandem-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-"$PY" -m pytest tests/gpu tests/kernels -q -p no:cacheprovider 2>&1 | tee "$LOG_DIR/tests.log"
+"$PY" -m pytest tests/gpu tests/kernels -q -p no:cacheprovider --durations=20 2>&1 | tee "$LOG_DIR/tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" -eq 0 ] || fail=1
 
