@@ -69,6 +69,16 @@ async def drive(url: str, prompts: list[list[int]], new_tokens: int, constrained
     return out
 
 
+def structured_ratios(mixed: dict, alone: dict) -> dict:
+    """A mixed wave's ITL against its unconstrained requests' ITL when they ran alone (the same prompts, just
+    before), and the constrained requests' ITL against the unconstrained ones' in the mixed wave (means)."""
+    free, bound = mixed["itl_ms_unconstrained"].get("mean"), mixed["itl_ms_constrained"].get("mean")
+    base = alone["itl_ms"].get("mean")
+    return dict(itl_ms_unconstrained_alone=alone["itl_ms"],
+                unconstrained_itl_vs_alone=round(free / base, 3) if free and base else None,
+                constrained_itl_vs_unconstrained=round(bound / free, 3) if free and bound else None)
+
+
 def _pcts(values: list[float]) -> dict:
     if not values:
         return {}
@@ -149,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="--rates: goodput's TTFT limit")
     ap.add_argument("--structured-share", type=float, default=0.0, metavar="S",
                     help="waves: this share of each wave's requests follow a JSON schema (structured outputs); "
-                         "their inter-token latency and the others' are reported apart")
+                         "their inter-token latency and the others' are reported apart, and the others' also "
+                         "against a wave of them alone sent just before")
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0, help="--rates: goodput's TPOT limit")
     args = ap.parse_args(argv)
     if args.rates:
@@ -171,9 +182,13 @@ def main(argv=None) -> int:
         wait_until_ready(proc, http, timeout=900, model_name="llm")
         asyncio.run(drive(f"localhost:{grpc}", waves[levels[0]][:4], 8))  # warm-up
         for n in levels:
+            constrained = round(n * args.structured_share)
+            alone = asyncio.run(drive(f"localhost:{grpc}", waves[n][constrained:], args.new_tokens)) \
+                if constrained else None
             before = scrape(metrics)
-            served[n] = asyncio.run(drive(f"localhost:{grpc}", waves[n], args.new_tokens,
-                                          constrained=round(n * args.structured_share)))
+            served[n] = asyncio.run(drive(f"localhost:{grpc}", waves[n], args.new_tokens, constrained=constrained))
+            if alone is not None:
+                served[n].update(structured_ratios(served[n], alone))
             time.sleep(0.6)  # why: the sender flushes its latency figures every 0.1 s and the gauges every 0.5 s
             served[n].update(server_side(before, scrape(metrics)))
             print(f"triton  concurrency={n}  " + "  ".join(f"{k}={v}" for k, v in served[n].items()), flush=True)
