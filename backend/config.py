@@ -38,6 +38,9 @@ class EngineConfig:
     gc_freeze: bool = True  # after start-up, Python's garbage collector stops walking the objects alive then
     # objects allocated between two young-generation collections while the engine runs; 0 keeps Python's (700)
     gc_young_threshold: int = 50_000
+    # build the structured-outputs library's tokenizer view at start-up, on a helper thread: ~0.5 s of GIL on a
+    # 49k vocabulary that would otherwise stall running streams when the first structured request arrives
+    grammar_warmup: bool = True
     loop_gate: bool = True  # CUDA: output/sender threads do their Python while the loop waits (loop_gate.py)
     max_graph_batch_size: int = 256  # largest decode batch with a captured graph
     mixed_step_graphs: bool = True  # triton attention: steps with prefill chunks replay graphs per token bucket

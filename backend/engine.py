@@ -49,6 +49,8 @@ class Engine:
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.intake = RequestIntake(self.config, self.tokenizer, self.spec, self.max_model_len, self.block_manager)
+        if self.config.grammar_warmup:
+            self.intake.prepare_grammars()
         self._inbox = EngineInbox()
         self._shut_down = False
         self._stats = EngineStats(self.scheduler, self.block_manager, self.timeline)

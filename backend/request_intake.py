@@ -2,7 +2,9 @@
 reserved, seeded, the prompt's KV blocks prepared, so the loop does none of it."""
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import logging
 import threading
 from typing import Sequence
 
@@ -10,6 +12,8 @@ from backend.admission import Admission
 from backend.config import EngineConfig
 from backend.request import Request, SamplingParams
 from backend.request_registry import RequestIds
+
+log = logging.getLogger(__name__)
 
 
 class RequestIntake:
@@ -53,18 +57,39 @@ class RequestIntake:
         samples[0].forks = samples[1:]
         return samples
 
+    def prepare_grammars(self) -> threading.Thread | None:
+        """Build the grammar library's view of the tokenizer now, on a helper thread, if the library is installed.
+        It holds the GIL for about half a second on a 49k vocabulary (longer on larger ones): done when the first
+        structured request arrives, it would stall every running stream that long."""
+        if importlib.util.find_spec("llguidance") is None:
+            return None
+        thread = threading.Thread(target=self._warm_grammars, name="tandem-grammar-warmup", daemon=True)
+        thread.start()
+        return thread
+
+    def _warm_grammars(self) -> None:
+        try:
+            self._grammar_compiler()
+        except Exception as exc:  # a tokenizer the library cannot use: the first structured request is told why
+            log.info("structured outputs not prepared at start-up: %s", exc)
+
+    def _grammar_compiler(self):
+        """The GrammarCompiler, made once (the grammar library loads on first use); ValueError if the tokenizer
+        cannot be used."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from backend.structured.grammar import GrammarCompiler
+
+                eos = getattr(self._tokenizer, "eos_token_id", None)
+                if eos not in self._eos:
+                    eos = min(self._eos) if self._eos else None
+                self._grammars = GrammarCompiler(self._tokenizer, self._vocab_size, eos)
+            return self._grammars
+
     def _compile(self, params: SamplingParams):
         """The request's compiled output constraint (cached by its text), or None; ValueError naming what is wrong.
         Compiled here, on the caller's thread: the loop never waits for a grammar, and a request holds no seat
         while its grammar compiles."""
         if params.structured_outputs is None:
             return None
-        with self._grammars_lock:
-            if self._grammars is None:
-                from backend.structured.grammar import GrammarCompiler  # the grammar library loads on first use
-
-                eos = getattr(self._tokenizer, "eos_token_id", None)
-                if eos not in self._eos:
-                    eos = min(self._eos) if self._eos else None
-                self._grammars = GrammarCompiler(self._tokenizer, self._vocab_size, eos)
-        return self._grammars.compile(params.structured_outputs)
+        return self._grammar_compiler().compile(params.structured_outputs)

@@ -124,3 +124,33 @@ def test_logit_bias_cannot_break_the_grammar(engine):
     outs = engine.generate([PROMPT] * 4, [_sampled({"choice": ["Paris", "Lima"]}, logit_bias=pushed, seed=s)
                                           for s in range(4)])
     assert all(o.text in ("Paris", "Lima") for o in outs), [o.text for o in outs]
+
+
+def test_the_grammar_library_is_prepared_at_start_up_not_on_the_first_request(engine, monkeypatch):
+    """The engine builds the grammar library's tokenizer view on a helper thread as it starts (it holds the GIL
+    for about half a second on this vocabulary), so the first structured request only compiles its grammar; with
+    grammar_warmup off it is built for the first structured request."""
+    import time
+
+    import backend.structured.grammar as grammar
+
+    engine.intake.prepare_grammars().join(timeout=60)  # the shared engine's own start-up helper is done
+    built = []
+    real = grammar.GrammarCompiler
+    monkeypatch.setattr(grammar, "GrammarCompiler", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    params = _sampled({"choice": CHOICES}, max_tokens=8)
+    warm = _engine(async_pipeline=True, like=engine)
+    cold = _engine(async_pipeline=True, like=engine, grammar_warmup=False)
+    try:
+        deadline = time.monotonic() + 60
+        while not built and time.monotonic() < deadline:  # no request sent: the start-up helper builds it
+            time.sleep(0.05)
+        assert built == [1]
+        assert warm.generate([PROMPT], params)[0].text in CHOICES
+        assert cold.generate([PROMPT], SamplingParams(max_tokens=4))[0].token_ids
+        assert built == [1]
+        assert cold.generate([PROMPT], params)[0].text in CHOICES
+        assert built == [1, 1]
+    finally:
+        warm.shutdown()
+        cold.shutdown()
