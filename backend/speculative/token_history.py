@@ -1,0 +1,61 @@
+"""A growing token sequence indexed by token, to find where its latest tokens occurred before."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+
+class TokenHistory:
+    """Tokens in order (a prompt, then its output; or many outputs, each ended by SEPARATOR), with the positions of
+    every token, so the earlier occurrences of a suffix are found without scanning the whole sequence."""
+
+    SEPARATOR = -1  # ends one sequence in a shared history: no match runs across it
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self._buffer = np.empty(256, dtype=np.int64)
+        self._length = 0
+        self._positions: dict[int, list[int]] = {}
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._buffer[:self._length]
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        tokens = list(tokens)
+        need = self._length + len(tokens)
+        if need > len(self._buffer):
+            grown = np.empty(max(need, 2 * len(self._buffer)), dtype=np.int64)
+            grown[:self._length] = self._buffer[:self._length]
+            self._buffer = grown
+        self._buffer[self._length:need] = tokens
+        for offset, token in enumerate(tokens):
+            if token != self.SEPARATOR:
+                self._positions.setdefault(token, []).append(self._length + offset)
+        self._length = need
+
+    def matches(self, context: np.ndarray, max_length: int, end: int | None = None) -> tuple[int, np.ndarray]:
+        """The longest m <= max_length such that context's last m tokens occur in this history ending before `end`
+        (default: anywhere), with m >= 1 and at least one token after them; returns m and the positions of the
+        occurrences' last tokens (ascending). (0, empty) when context's last token never occurred."""
+        end = self._length if end is None else end
+        if len(context) == 0:
+            return 0, np.empty(0, dtype=np.int64)
+        found = self._positions.get(int(context[-1]))
+        if not found:
+            return 0, np.empty(0, dtype=np.int64)
+        candidates = np.asarray(found, dtype=np.int64)
+        candidates = candidates[candidates < end - 1]  # a token must follow the occurrence, inside the history
+        length = 1 if len(candidates) else 0
+        buffer = self._buffer
+        while length and length < min(max_length, len(context)):
+            before = candidates - length
+            kept = candidates[(before >= 0) & (buffer[np.maximum(before, 0)] == context[-1 - length])]
+            if len(kept) == 0:
+                break
+            candidates, length = kept, length + 1
+        return length, candidates
