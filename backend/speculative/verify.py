@@ -1,0 +1,48 @@
+"""Verifying draft tokens: the model samples every drafted position itself, and the drafts that agree are kept.
+
+A row verified with k drafts has k + 1 positions of logits: after its last token, and after each draft. Position i
+is sampled exactly as the row's next token would be sampled i steps later without speculation (the same settings,
+the seed's noise for step index step + i), so while the drafts agree the tokens kept are the very tokens the model
+alone would have made, greedy or sampled, and reproducible per seed. For drafts that are guesses rather than
+samples (a one-hot draft distribution: n-gram and suffix proposals), this keeps draft i with probability p(draft i)
+and, on a mismatch, the sampled token is a draw from p without the draft: the same law as rejection sampling
+(Leviathan et al. 2023; Chen et al. 2023) with q one-hot."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from backend.executor.sampler import SamplingTensors
+
+
+def expand_rows(st: SamplingTensors, positions: int) -> SamplingTensors:
+    """Each row's settings for `positions` consecutive tokens, row-major (row 0's positions first): the step index
+    grows by one a position. Rows with repetition, presence or frequency penalties are not expanded (ValueError):
+    their later positions would need the drafts counted as output."""
+    if positions < 1:
+        raise ValueError(f"positions must be >= 1, got {positions}")
+    if st.any_penalty:
+        raise ValueError("rows with repetition, presence or frequency penalties cannot be verified in one step")
+    offsets = torch.arange(positions, dtype=st.step_index.dtype, device=st.step_index.device)
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(positions)
+
+    return replace(st, temperature=repeat(st.temperature), top_k=repeat(st.top_k), top_p=repeat(st.top_p),
+                   min_p=repeat(st.min_p), repetition_penalty=repeat(st.repetition_penalty),
+                   presence_penalty=repeat(st.presence_penalty), frequency_penalty=repeat(st.frequency_penalty),
+                   seeds=repeat(st.seeds), step_index=(st.step_index.unsqueeze(1) + offsets).reshape(-1))
+
+
+def accepted_lengths(drafts: torch.Tensor, draft_lengths: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """(R,) how many leading drafts each row keeps: drafts (R, k) (entries past a row's draft_lengths are ignored),
+    sampled (R, k + 1) the model's own tokens at each position. The row then emits sampled[:, :accepted + 1]: the
+    kept drafts and the model's token after them."""
+    rows, k = drafts.shape
+    if sampled.shape != (rows, k + 1) or draft_lengths.shape != (rows,):
+        raise ValueError(f"need drafts (R, k), draft_lengths (R,) and sampled (R, k + 1); got {tuple(drafts.shape)}, "
+                         f"{tuple(draft_lengths.shape)} and {tuple(sampled.shape)}")
+    positions = torch.arange(k, device=drafts.device)
+    agree = (drafts == sampled[:, :k]) & (positions < draft_lengths.unsqueeze(1))
+    return agree.to(torch.int32).cumprod(dim=1).sum(dim=1)

@@ -1,0 +1,78 @@
+"""Verifying drafts: the kept tokens are exactly the ones sampling alone would make, step after step (greedy and
+seeded sampling), and a draft is kept with the probability the model gives it (a chi-square test)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backend.executor.sampler import Sampler
+from backend.request import SamplingParams
+from backend.speculative.verify import accepted_lengths, expand_rows
+from tests.sampling_helpers import sampling_tensors_from_params
+
+
+def _tensors(params, seeds, steps, **kw):
+    return sampling_tensors_from_params(params, seeds=seeds, step_indices=steps, device="cpu", **kw)
+
+
+def test_accepted_lengths_count_the_leading_agreeing_drafts():
+    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 2, 3], [4, 4, 4]])
+    sampled = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [0, 2, 3, 1], [4, 4, 4, 4]])
+    lengths = torch.tensor([3, 3, 3, 2])  # row 3 drafted only two tokens: its third entry is padding
+    assert accepted_lengths(drafts, lengths, sampled).tolist() == [3, 1, 0, 2]
+    with pytest.raises(ValueError):
+        accepted_lengths(drafts, lengths, sampled[:, :3])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_kept_tokens_are_the_ones_sampling_alone_makes(temperature):
+    """Each of 6 rows drafts 4 tokens, some right, some wrong; the tokens the row emits equal those of sampling
+    its positions one step at a time (the non-speculative path), for greedy and seeded sampled rows."""
+    torch.manual_seed(0)
+    rows, k, vocab = 6, 4, 50
+    logits = torch.randn(rows, k + 1, vocab) * 3
+    params = [SamplingParams(temperature=temperature, top_p=0.9, top_k=20) for _ in range(rows)]
+    seeds, steps = [11 * r + 1 for r in range(rows)], [3 * r for r in range(rows)]
+    sampler = Sampler()
+    alone = torch.stack([torch.stack([sampler(logits[r, i:i + 1], _tensors(params[r:r + 1], [seeds[r]],
+                                                                           [steps[r] + i])).token_ids[0]
+                                      for i in range(k + 1)]) for r in range(rows)])
+    drafts = alone[:, :k].clone()
+    for r in range(rows):  # row r's draft goes wrong at position r (rows 4 and 5: every draft right)
+        if r < k:
+            drafts[r, r] = (drafts[r, r] + 1) % vocab
+    expanded = expand_rows(_tensors(params, seeds, steps), k + 1)
+    sampled = sampler(logits.reshape(rows * (k + 1), vocab), expanded).token_ids.reshape(rows, k + 1)
+    assert torch.equal(sampled, alone)
+    accepted = accepted_lengths(drafts, torch.full((rows,), k), sampled)
+    assert accepted.tolist() == [0, 1, 2, 3, 4, 4]
+    for r in range(rows):
+        emitted = sampled[r, :accepted[r] + 1]
+        assert torch.equal(emitted, alone[r, :accepted[r] + 1])
+
+
+def test_a_draft_is_kept_with_the_probability_the_model_gives_it():
+    """One position, vocabulary 6, a fixed distribution; 12,000 seeds. The draft (token 2) is kept as often as
+    p(2) says, and the token emitted follows p whatever was drafted (chi-square, 5 degrees of freedom: 20.52 is
+    its 0.999 quantile)."""
+    probs = torch.tensor([0.05, 0.1, 0.3, 0.25, 0.2, 0.1])
+    n = 12_000
+    logits = probs.log().expand(n, 2, 6).reshape(2 * n, 6)
+    params = [SamplingParams(temperature=1.0)] * n
+    expanded = expand_rows(_tensors(params, list(range(n)), [0] * n), 2)
+    sampled = Sampler()(logits, expanded).token_ids.reshape(n, 2)
+    accepted = accepted_lengths(torch.full((n, 1), 2), torch.ones(n, dtype=torch.long), sampled)
+    kept = accepted.float().mean().item()
+    assert abs(kept - 0.3) < 4 * np.sqrt(0.3 * 0.7 / n)
+    first = sampled[:, 0]  # the emitted token: the kept draft, or the model's own token in its place
+    observed = torch.bincount(first, minlength=6).double()
+    expected = probs.double() * n
+    assert ((observed - expected) ** 2 / expected).sum().item() < 20.52
+
+
+def test_rows_with_penalties_are_not_expanded():
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1.2)]
+    st = _tensors(params, [1], [0], prompt_token_ids=[[1, 2]], output_token_ids=[[3]])
+    with pytest.raises(ValueError, match="penalties"):
+        expand_rows(st, 3)
