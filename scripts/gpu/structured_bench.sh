@@ -25,7 +25,7 @@ for part in ${PARTS:-stall mix serve free}; do
              --structured-share "$share" > "$OUT/mix-8b-share-$share.log" 2>&1
            grep -E "^engine=tandem" "$OUT/mix-8b-share-$share.log" | cut -c1-400
          done ;;
-    serve) OUT="$OUT/serve" LEVELS=64 NEW_TOKENS=512 LOCUST=0 T_SERVE_BENCH=400 \
+    serve) OUT="$OUT/serve" LEVELS=64 NEW_TOKENS=512 LOCUST=0 T_SERVE_BENCH=300 \
              SERVE_ARGS="--structured-share 0.5" bash scripts/gpu/triton_serving.sh 2>&1 | tail -6
            grep -oE "(unconstrained_itl_vs_alone|constrained_itl_vs_unconstrained|itl_ms_[a-z_]+)=[^ ]*( '[a-z0-9]+': [0-9.]+,?)*" \
              "$OUT/serve/serve_bench.log" | head -8 ;;
