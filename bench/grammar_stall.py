@@ -2,10 +2,11 @@
 
 N streams decode (8B shape by default, greedy, EOS ignored). Once they all decode, a request with a tool schema of
 about 2 KB that no request used before arrives and is compiled on the caller's thread (as Triton's execute thread
-does); then a second, again new. The loop's step durations are recorded throughout, and for each arrival the longest
-step between its arrival and its first token is set against the median step of the steady decode before it. The
-first arrival also builds the grammar library's view of the tokenizer (once per engine); the second shows a compile
-alone. Prints a table and one JSON line."""
+does); then a second, again new. Before them a request with no schema arrives the same way: what any request's
+joining costs the loop (its prefill, the step that is not a replayed graph), for the others to be read against.
+The loop's step durations are recorded throughout, and for each arrival the longest step between its arrival and
+its first token is set against the median step of the steady decode before it. Prints a table and one JSON
+line."""
 from __future__ import annotations
 
 import argparse
@@ -61,13 +62,15 @@ class StepClock:
         return [(e - s) * 1e3 for s, e in list(self.spans) if e > start and s < end]
 
 
-def arrive(engine: Engine, clock: StepClock, seed: int, steady_s: float) -> dict:
-    """One new schema's request arrives; its compile time, first-token wait and the loop's steps around it."""
+def arrive(engine: Engine, clock: StepClock, seed: int | None, steady_s: float) -> dict:
+    """One request arrives, with a new schema (seed) or none; the time add_request took (its compile), its
+    first-token wait and the loop's steps around it."""
     before = time.perf_counter()
     time.sleep(steady_s)
     arrival = time.perf_counter()
-    schema = tool_schema(seed)
-    params = SamplingParams(max_tokens=16, temperature=0.0, structured_outputs={"json": schema})
+    schema = tool_schema(seed) if seed is not None else None
+    params = SamplingParams(max_tokens=16, temperature=0.0,
+                            structured_outputs={"json": schema} if schema is not None else None)
     stream = engine.add_request([11, 12, 13, 14], params)
     compiled = time.perf_counter()
     first = None
@@ -77,7 +80,7 @@ def arrive(engine: Engine, clock: StepClock, seed: int, steady_s: float) -> dict
     steady = clock.between(before, arrival)
     during = clock.between(arrival, first or time.perf_counter())
     median = statistics.median(steady) if steady else float("nan")
-    return {"schema_bytes": len(json.dumps(schema)), "compile_ms": round((compiled - arrival) * 1e3, 1),
+    return {"schema_bytes": len(json.dumps(schema)) if schema is not None else 0, "compile_ms": round((compiled - arrival) * 1e3, 1),
             "first_token_ms": round(((first or compiled) - arrival) * 1e3, 1), "steady_steps": len(steady),
             "median_step_ms": round(median, 2), "steps_during": len(during),
             "max_step_during_ms": round(max(during), 2) if during else None,
@@ -105,7 +108,8 @@ def main() -> int:
         drained.start()
         while len(clock.spans) < 20:  # the prompts' prefill is behind us: every row decodes
             time.sleep(0.05)
-        rows = {"first": arrive(engine, clock, 1, args.steady_s), "second": arrive(engine, clock, 2, args.steady_s)}
+        rows = {"plain": arrive(engine, clock, None, args.steady_s), "first": arrive(engine, clock, 1, args.steady_s),
+                "second": arrive(engine, clock, 2, args.steady_s)}
         for name, row in rows.items():
             print(f"{name:7s} " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
         for stream in streams:
