@@ -76,3 +76,21 @@ def test_rows_with_penalties_are_not_expanded():
     st = _tensors(params, [1], [0], prompt_token_ids=[[1, 2]], output_token_ids=[[3]])
     with pytest.raises(ValueError, match="penalties"):
         expand_rows(st, 3)
+
+
+def test_rows_expand_to_their_own_counts():
+    """Per-row counts: row r gets counts[r] rows, step indices step..step + counts[r] - 1; with the counts all
+    equal it is the fixed expansion."""
+    params = [SamplingParams(temperature=0.5, top_k=k) for k in (3, 5, 7)]
+    st = _tensors(params, [10, 20, 30], [4, 0, 9])
+    out = expand_rows(st, [2, 1, 3])
+    assert out.step_index.tolist() == [4, 5, 0, 9, 10, 11]
+    assert out.seeds.tolist() == [10, 10, 20, 30, 30, 30]
+    assert out.top_k.tolist() == [3, 3, 5, 7, 7, 7]
+    same = expand_rows(st, [2, 2, 2])
+    fixed = expand_rows(st, 2)
+    assert same.step_index.tolist() == fixed.step_index.tolist() and same.seeds.tolist() == fixed.seeds.tolist()
+    with pytest.raises(ValueError):
+        expand_rows(st, [2, 0, 1])
+    with pytest.raises(ValueError):
+        expand_rows(st, [2, 1])

@@ -1,0 +1,227 @@
+"""Speculative decoding in the engine: outputs token-for-token equal to the engine without it (greedy and seeded
+sampling, every per-token rule), KV blocks advanced by exactly the tokens emitted, settings validated, stats counted.
+
+Most cases draft with an oracle: a proposer that replays a reference run's continuation (every third proposal with
+its last draft wrong), so many drafts are kept and some are not; n-gram and suffix proposals run too."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backend import Engine, EngineConfig, SamplingParams
+from backend.speculative.proposer import Proposer
+from tests.tiny_models import VOCAB, build_tiny, kv_blocks_used_after_settling, random_prompts, tiny_engine
+
+SETTINGS = dict(num_kv_blocks=96, max_num_batched_tokens=32)
+
+
+class OracleProposer(Proposer):
+    """Proposes what followed the history in a reference sequence; every third proposal's last draft is wrong."""
+
+    name = "oracle"
+
+    def __init__(self, sequences) -> None:
+        self.sequences = [np.asarray(s, dtype=np.int64) for s in sequences]
+        self.calls = 0
+        self.finished_lengths: list[tuple[int, int]] = []
+
+    def propose(self, history, k):
+        h = history.tokens
+        for seq in self.sequences:
+            if len(seq) > len(h) and np.array_equal(seq[:len(h)], h):
+                drafts = [int(t) for t in seq[len(h):len(h) + k]]
+                self.calls += 1
+                if self.calls % 3 == 0:
+                    drafts[-1] = (drafts[-1] + 1) % VOCAB
+                return drafts
+        return []
+
+    def finished(self, history, prompt_length):
+        self.finished_lengths.append((len(history), prompt_length))
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return build_tiny("llama", str(tmp_path_factory.mktemp("tiny")))
+
+
+def _run(path, prompts, params, method="", oracle=None, **settings):
+    """(outputs, the speculator's counts or None, free blocks at the start and after the run)."""
+    engine = tiny_engine(path, False, speculative_method=method, **{**SETTINGS, **settings})
+    try:
+        if oracle is not None:
+            engine.speculator.proposer = oracle
+        free_before = engine.block_manager.num_free_blocks
+        outs = engine.generate(prompts, params)
+        assert kv_blocks_used_after_settling(engine) == 0
+        counts = engine.speculator.counts() if engine.speculator is not None else None
+        return outs, counts, (free_before, engine.block_manager.num_free_blocks)
+    finally:
+        engine.shutdown()
+
+
+def _summary(outs):
+    return [(o.token_ids, o.finish_reason, o.text, o.index,
+             [sorted(e.items()) for e in o.logprobs] if o.logprobs else None) for o in outs]
+
+
+def _reference(path, prompts, params):
+    """Each prompt + its free-running continuation (no stops, 40 tokens), for the oracle."""
+    free = [SamplingParams(**{**_plain(p), "max_tokens": 40, "ignore_eos": True, "stop": [], "stop_token_ids": [],
+                              "min_tokens": 0, "logprobs": None}) for p in params]
+    outs, _, _ = _run(path, prompts, free)
+    n = [p.n for p in params]
+    seqs, i = [], 0
+    for prompt, k in zip(prompts, n):
+        for _ in range(k):
+            seqs.append(list(prompt) + outs[i].token_ids)
+            i += 1
+    return seqs
+
+
+def _plain(p: SamplingParams) -> dict:
+    return {name: getattr(p, name) for name in p.__slots__ if name != "structured_outputs"}
+
+
+def _equal_with_oracle(path, prompts, params, **settings):
+    """Runs without and with speculation (oracle drafts); the outputs must be equal. Returns the counts."""
+    want, _, _ = _run(path, prompts, params, **settings)
+    oracle = OracleProposer(_reference(path, prompts, params))
+    got, counts, (before, after) = _run(path, prompts, params, method="ngram", oracle=oracle, **settings)
+    assert _summary(got) == _summary(want)
+    assert after == before
+    return counts, oracle
+
+
+def test_config_validates_speculative_settings():
+    with pytest.raises(ValueError, match="ngram, suffix"):
+        EngineConfig(speculative_method="medusa").validate()
+    for k in (0, 17, "4"):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            EngineConfig(speculative_method="ngram", num_speculative_tokens=k).validate()
+    with pytest.raises(ValueError, match="async_pipeline"):
+        EngineConfig(speculative_method="ngram", async_pipeline=True).validate()
+    config = EngineConfig.from_dict({"speculative_method": "suffix", "num_speculative_tokens": "6"}).validate()
+    assert (config.speculative_method, config.num_speculative_tokens) == ("suffix", 6)
+    assert EngineConfig.from_dict({"speculative_method": ""}).validate().speculative_method == ""
+    assert EngineConfig().speculative_method == "" and EngineConfig().num_speculative_tokens == 4
+
+
+@pytest.mark.parametrize("budget", [32, 12])
+def test_greedy_outputs_equal_and_drafts_are_kept(path, budget):
+    """Mixed prompt lengths (chunked prefill beside speculating rows), finishing at different steps."""
+    prompts = random_prompts([3, 30, 9, 57, 1, 16])
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 20, 7, 16, 3, 25)]
+    counts, _ = _equal_with_oracle(path, prompts, params, max_num_batched_tokens=budget)
+    assert counts["spec_steps"] > 0
+    assert 0 < counts["spec_accepted_tokens"] < counts["spec_proposed_tokens"]
+
+
+@pytest.mark.parametrize("k", [1, 3, 16])
+def test_seeded_sampling_outputs_equal(path, k):
+    prompts = random_prompts([5, 11, 23, 2], seed=3)
+    params = [SamplingParams(max_tokens=18, temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=s,
+                             ignore_eos=True) for s in (1, 2, 3, 4)]
+    counts, _ = _equal_with_oracle(path, prompts, params, num_speculative_tokens=k)
+    assert counts["spec_accepted_tokens"] > 0
+
+
+def _stop_token(path):
+    """A token the first prompt's greedy continuation makes at its 6th step (and not before)."""
+    prompt = random_prompts([7], seed=5)[0]
+    seq = _reference(path, [prompt], [SamplingParams(temperature=0.0)])[0][len(prompt):]
+    return prompt, next(t for i, t in enumerate(seq) if i >= 5 and t not in seq[:i])
+
+
+@pytest.mark.parametrize("case", ["max_tokens", "stop_token", "min_tokens", "stop_string", "n", "logprobs",
+                                  "eos", "sampled_logprobs"])
+def test_per_token_rules_hold_on_kept_tokens(path, case):
+    prompt, stop = _stop_token(path)
+    prompts = [prompt, *random_prompts([4, 13], seed=6)]
+    base = dict(max_tokens=20, temperature=0.0)
+    extra = {"max_tokens": dict(max_tokens=5), "stop_token": dict(stop_token_ids=[stop]),
+             "min_tokens": dict(stop_token_ids=[stop], min_tokens=8), "stop_string": dict(stop=[f"<{stop}>"]),
+             "n": dict(n=3, temperature=0.9, seed=7), "logprobs": dict(logprobs=3),
+             "eos": dict(ignore_eos=False), "sampled_logprobs": dict(temperature=0.7, seed=9, logprobs=0)}[case]
+    params = [SamplingParams(**{**base, **extra}) for _ in prompts]
+    counts, _ = _equal_with_oracle(path, prompts, params)
+    if case != "min_tokens":  # min_tokens edits the logits: those rows do not speculate
+        assert counts["spec_accepted_tokens"] > 0
+
+
+def test_rows_with_penalties_or_opting_out_do_not_speculate(path):
+    prompts = random_prompts([6, 9], seed=8)
+    for extra in (dict(repetition_penalty=1.3), dict(presence_penalty=0.5), dict(speculate=False),
+                  dict(logit_bias={5: 2.0})):
+        params = [SamplingParams(max_tokens=10, temperature=0.0, **extra)] * 2
+        counts, _ = _equal_with_oracle(path, prompts, params)
+        assert counts["spec_proposed_tokens"] == 0, extra
+
+
+def test_kv_blocks_advance_by_the_tokens_emitted(path):
+    """One request: at every step where both runs hold the same number of computed tokens, they hold the same
+    number of KV blocks (rejected drafts' blocks returned); all blocks return at the end."""
+    prompt = random_prompts([10], seed=9)
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)]
+    oracle = OracleProposer(_reference(path, prompt, params))
+    seen = []
+    for method in ("", "ngram"):
+        engine = tiny_engine(path, False, speculative_method=method, enable_prefix_caching=False, **SETTINGS)
+        try:
+            if method:
+                engine.speculator.proposer = oracle
+            record, refresh = {}, engine.loop.refresh_stats
+
+            def recording(record=record, refresh=refresh, engine=engine):
+                for req in engine.scheduler.running:
+                    record[req.num_computed_tokens] = engine.block_manager.num_used_blocks
+                refresh()
+
+            engine.loop.refresh_stats = recording
+            engine.generate(prompt, params)
+            assert kv_blocks_used_after_settling(engine) == 0
+            seen.append(record)
+        finally:
+            engine.shutdown()
+    plain, speculative = seen
+    common = set(plain) & set(speculative)
+    assert len(common) >= 5 and len(speculative) < len(plain)
+    assert {c: plain[c] for c in common} == {c: speculative[c] for c in common}
+
+
+def test_finished_requests_feed_the_proposer(path):
+    prompts = random_prompts([4, 8], seed=10)
+    params = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)] * 2
+    _, oracle = _equal_with_oracle(path, prompts, params)
+    assert sorted(oracle.finished_lengths) == [(13, 4), (17, 8)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_real_proposers_keep_outputs_equal(path, method):
+    """Prompts that repeat themselves, so the proposers find matches."""
+    unit = random_prompts([5, 7], seed=11)
+    prompts = [unit[0] * 4, unit[1] * 3 + unit[0]]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 2
+    want, _, _ = _run(path, prompts, params)
+    got, counts, (before, after) = _run(path, prompts, params, method=method)
+    assert _summary(got) == _summary(want)
+    assert after == before
+    assert counts["spec_proposed_tokens"] > 0
+
+
+def test_default_model_greedy_equal_with_ngram():
+    """SmolLM2 on the CPU: a prompt that invites repetition; greedy outputs equal, some drafts kept."""
+    prompt = "Repeat exactly: red green blue, red green blue, red green blue, red green blue,"
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = []
+    counts = None
+    for method in ("", "ngram"):
+        engine = Engine(EngineConfig(device="cpu", speculative_method=method, num_kv_blocks=64))
+        try:
+            outs.append(engine.generate([prompt], params)[0])
+            if method:
+                counts = engine.speculator.counts()
+        finally:
+            engine.shutdown()
+    assert outs[1].token_ids == outs[0].token_ids and outs[1].text == outs[0].text
+    assert counts["spec_accepted_tokens"] > 0
