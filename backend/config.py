@@ -4,12 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from backend.speculative.proposer import METHODS as SPECULATIVE_METHODS
 from backend.text_values import parse_bool
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -57,6 +59,10 @@ class EngineConfig:
     max_stop_strings: int = 16
     max_stop_string_length: int = 256
     cache_dir: str | None = None  # where the built-in model is converted to safetensors
+    # speculative decoding: "" (off), ngram or suffix (backend/speculative); decode rows then feed up to
+    # num_speculative_tokens drafted tokens a step, which the model checks in the same forward (synchronous pipeline)
+    speculative_method: str = ""
+    num_speculative_tokens: int = 4
     test_fault_every_n_steps: int = 0  # test hook: every n-th step raises (0 = off); never set in production
 
     @classmethod
@@ -89,9 +95,23 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0{note}, got {value!r}")
+        self._validate_speculation()
         if not isinstance(self.test_fault_every_n_steps, int) or self.test_fault_every_n_steps < 0:
             raise ValueError(f"test_fault_every_n_steps must be >= 0, got {self.test_fault_every_n_steps!r}")
         return self
+
+    def _validate_speculation(self) -> None:
+        """The proposer's name, the drafts a row may take, and the pipeline it needs."""
+        if self.speculative_method not in ("", *SPECULATIVE_METHODS):
+            raise ValueError(f"speculative_method must be empty (off) or one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.speculative_method and self.async_pipeline:
+            # why: a row's next input depends on how many of its drafts were kept, known only once read back
+            raise ValueError("speculative decoding runs on the synchronous pipeline: leave async_pipeline unset "
+                             "or set it false")
 
     def _validate_sizes(self) -> None:
         """The block, cache, batch and queue sizes."""

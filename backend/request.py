@@ -48,6 +48,7 @@ class SamplingParams:
     # a JSON schema, regex, choice or grammar the output must follow (backend/structured): the value a client sends
     # (a JSON string or an object), parsed into StructuredOutputs
     structured_outputs: StructuredOutputs | None = None
+    speculate: bool = True  # false: this request's rows take no drafted tokens where the engine speculates
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,7 +99,7 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None:
@@ -137,6 +138,11 @@ class SamplingParams:
             for t in ids:
                 if t >= vocab_size:
                     raise ValueError(f"{name}: {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def penalised(p: SamplingParams) -> bool:
+    """Repetition, presence or frequency penalties: the sampler reads the row's prompt and output tokens."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _token_key(key: Any) -> int:
@@ -231,6 +237,10 @@ class Request:
     forks: list["Request"] = field(default_factory=list)
     bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words as token sequences
     edits_logits: bool = False  # min_tokens, logit_bias, allowed_token_ids or bad_words: see logit_rules
+    # its decode rows may take drafted tokens (backend/speculative): not with penalties (later positions would count
+    # the drafts as outputs), logit edits (min_tokens bans move with the output count) or a grammar (its mask
+    # follows each token), nor where the request turned speculation off
+    may_speculate: bool = False
     # structured outputs: the compiled constraint (made in the caller's thread), and this sample's matcher, made
     # when its first token is masked and advanced by every token it accepts
     grammar: Any = None
@@ -301,6 +311,8 @@ class Request:
                              and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
                              and p.frequency_penalty == 0.0 and not p.has_logit_rules and self.grammar is None)
         self.edits_logits = bool(p.min_tokens) or p.has_logit_rules
+        self.may_speculate = (p.speculate and not self.edits_logits and self.grammar is None
+                              and not penalised(p))
         if not self.group_id:
             self.group_id = self.request_id
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)

@@ -17,7 +17,7 @@ RETURN_FLAGS = (
 )
 _INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n", "truncate_prompt_tokens"}
 _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
-_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
+_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculate"}
 
 GetInput = Callable[[str], "np.ndarray | None"]
 
