@@ -10,29 +10,49 @@ and, on a mismatch, the sampled token is a draw from p without the draft: the sa
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from backend.executor.sampler import SamplingTensors
 
 
-def expand_rows(st: SamplingTensors, positions: int) -> SamplingTensors:
-    """Each row's settings for `positions` consecutive tokens, row-major (row 0's positions first): the step index
-    grows by one a position. Rows with repetition, presence or frequency penalties are not expanded (ValueError):
-    their later positions would need the drafts counted as output."""
-    if positions < 1:
-        raise ValueError(f"positions must be >= 1, got {positions}")
+def expand_rows(st: SamplingTensors, positions: int | Sequence[int]) -> SamplingTensors:
+    """Each row's settings for consecutive tokens, row-major (row 0's positions first): `positions` of them for
+    every row, or positions[r] for row r (host ints, so no count is read from the device); the step index grows by
+    one a position. Rows with repetition, presence or frequency penalties are not expanded (ValueError): their
+    later positions would need the drafts counted as output."""
     if st.any_penalty:
         raise ValueError("rows with repetition, presence or frequency penalties cannot be verified in one step")
-    offsets = torch.arange(positions, dtype=st.step_index.dtype, device=st.step_index.device)
+    device = st.step_index.device
+    if isinstance(positions, int):
+        if positions < 1:
+            raise ValueError(f"positions must be >= 1, got {positions}")
+        offsets = torch.arange(positions, dtype=st.step_index.dtype, device=device)
 
-    def repeat(t: torch.Tensor) -> torch.Tensor:
-        return t.repeat_interleave(positions)
+        def repeat(t: torch.Tensor) -> torch.Tensor:
+            return t.repeat_interleave(positions)
+
+        step_index = (st.step_index.unsqueeze(1) + offsets).reshape(-1)
+    else:
+        counts = list(positions)
+        if len(counts) != st.batch_size or min(counts, default=1) < 1:
+            raise ValueError(f"need one count >= 1 per row ({st.batch_size} rows), got {counts}")
+        total = sum(counts)
+        sizes = torch.tensor(counts, dtype=torch.int64, device=device)
+        starts = torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.int64, device=device)
+
+        def repeat(t: torch.Tensor) -> torch.Tensor:
+            return t.repeat_interleave(sizes, output_size=total)
+
+        within = torch.arange(total, dtype=torch.int64, device=device) - repeat(starts)
+        step_index = repeat(st.step_index) + within.to(st.step_index.dtype)
 
     return replace(st, temperature=repeat(st.temperature), top_k=repeat(st.top_k), top_p=repeat(st.top_p),
                    min_p=repeat(st.min_p), repetition_penalty=repeat(st.repetition_penalty),
                    presence_penalty=repeat(st.presence_penalty), frequency_penalty=repeat(st.frequency_penalty),
-                   seeds=repeat(st.seeds), step_index=(st.step_index.unsqueeze(1) + offsets).reshape(-1))
+                   seeds=repeat(st.seeds), step_index=step_index)
 
 
 def accepted_lengths(drafts: torch.Tensor, draft_lengths: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
