@@ -108,6 +108,16 @@ class BlockManager:
         req.block_hashes = []
         req.blocks_freed = True
 
+    def release_tail(self, req: Request, keep: int) -> None:
+        """Return req's blocks past its first `keep` (blocks a speculative step took for drafts it rejected: never
+        hashed, held by req alone)."""
+        ref_counts, free_blocks = self.ref_counts, self.free_blocks
+        while len(req.block_ids) > keep:
+            block = req.block_ids.pop()
+            ref_counts[block] -= 1
+            if not ref_counts[block]:
+                free_blocks[block] = None
+
     def share_prompt(self, src: Request, dst: Request) -> None:
         """dst, another sample of src's prompt, takes src's full prompt blocks (whose KV src's queued steps write)
         as its own computed tokens; it computes the rest, at least the last prompt token, in blocks of its own."""

@@ -364,6 +364,27 @@ class RunningBatch:
         self.num_blocks[rows] += 1
         self.kv_slots[rows] = np.asarray(blocks) * self.block_size - 1  # the next advance moves each to its first slot
 
+    def add_draft_blocks(self, row: int, blocks: list[int]) -> None:
+        """Blocks a row's drafted tokens take this step, past the one its fed token lies in (its KV slot stays)."""
+        start = int(self.num_blocks[row])
+        self.table_store[self.table_rows[row], start:start + len(blocks)] = blocks
+        self.num_blocks[row] += len(blocks)
+
+    def keep_drafts(self, row: int, kept: int) -> None:
+        """A row kept `kept` of its drafted tokens: its count grows by them, and its blocks and KV slot are those of
+        its tokens now (the caller returns the blocks past them first)."""
+        req = self.requests[row]
+        req.num_computed_tokens = req.num_computed_tokens + kept  # the request's offset, then the row's array
+        computed = int(self.computed[row]) + kept
+        self.computed[row] = computed
+        if len(req.block_ids) != self.num_blocks[row]:
+            # blocks returned: a slot's copy of this row may hold one of them where a later block goes, at a count it
+            # would take as current; a new table id makes every slot write the row whole
+            self.table_ids[row] = next(self._table_ids)
+            self.num_blocks[row] = len(req.block_ids)
+        bs = self.block_size
+        self.kv_slots[row] = req.block_ids[(computed - 1) // bs] * bs + (computed - 1) % bs
+
     def advance(self, step_id: int) -> None:
         """Count one scheduled token for every row: its arrays, its count of steps (which the rows' requests read)
         and the rows' newest step."""

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from backend.core.kv_cache import BlockManager
-from backend.core.scheduler import Scheduler
+from backend.core.scheduler import ScheduledBatch, Scheduler
 from backend.core.running_batch import mask_without
 from backend.outputs.processor import StepEvent
 from backend.request import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Request, RequestStatus
@@ -43,6 +43,12 @@ class StepUpdater:
             if decoded is not None:  # the rows are done but those to check one by one; prefill rows follow
                 (events, risky), first = decoded, batch.num_rows
         self._update_rows(result, [*risky, *range(first, len(result.requests))], next_state, events, finish)
+        self.settle_blocks(batch)
+        return events
+
+    def settle_blocks(self, batch: ScheduledBatch) -> None:
+        """After a step's update: its prompt blocks that filled up are registered, and the blocks of requests that
+        finished while it was queued return."""
         bm = self.block_manager
         if bm.enable_prefix_caching:
             bs = bm.block_size
@@ -54,7 +60,6 @@ class StepUpdater:
                     bm.register_full_blocks(req, computed_prompt)
         for req in batch.free_after:
             self.block_manager.free(req)
-        return events
 
     def _update_rows(self, result: StepResult, rows: list[int], next_state: StepState | None,
                      events: list[StepEvent | tuple[str, int]], finish) -> None:
