@@ -19,6 +19,8 @@ from backend.request_intake import RequestIntake
 from backend.request_registry import EngineOverloaded
 from backend.runtime.gc_pauses import GcPauses, GcSettings
 from backend.runtime.loop_gate import LoopGate
+from backend.speculative.proposer import make_proposer
+from backend.speculative.speculator import Speculator
 
 
 __all__ = ["Engine", "EngineDead", "EngineOverloaded"]
@@ -53,7 +55,8 @@ class Engine:
             self.intake.prepare_grammars()
         self._inbox = EngineInbox()
         self._shut_down = False
-        self._stats = EngineStats(self.scheduler, self.block_manager, self.timeline)
+        self.speculator = _speculator(self.config, parts)
+        self._stats = EngineStats(self.scheduler, self.block_manager, self.timeline, self.speculator)
         # why: the loop thread hands the GIL back and forth with the output and sender threads; a short switch
         # interval keeps it from waiting up to 5 ms (Python's default) to get the GIL back after each CUDA wait
         sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
@@ -64,7 +67,7 @@ class Engine:
         self.gate = LoopGate(enabled=self.device.type == "cuda" and self.config.loop_gate)
         self.outputs = OutputProcessor(self.tokenizer, self._on_stop_string, self.intake.ids.release, self.gate)
         self.loop = EngineLoop(parts, self.config.test_fault_every_n_steps, self._inbox, self.outputs, self.gate,
-                               self._stats)
+                               self._stats, self.speculator)
         self.updates = self.loop.updates
         self._thread = threading.Thread(target=self.loop.run, name="tandem-engine", daemon=True)
         self._thread.start()
@@ -177,3 +180,11 @@ class Engine:
     def _on_stop_string(self, request_id: str) -> None:
         """The output thread found a stop string: finish the request at the next schedule."""
         self._inbox.abort(request_id, FINISH_STOP)
+
+
+def _speculator(config: EngineConfig, parts: EngineParts) -> Speculator | None:
+    """The drafting side of speculative decoding where the config turns it on (its steps fit a slot's buffers)."""
+    if not config.speculative_method:
+        return None
+    return Speculator(make_proposer(config.speculative_method), config.num_speculative_tokens, parts.block_manager,
+                      config.max_num_batched_tokens, config.max_num_seqs)

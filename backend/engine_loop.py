@@ -7,15 +7,18 @@ import time
 
 import torch
 
+from backend.core.drafted_update import DraftedStepUpdater
 from backend.core.step_update import StepUpdater
 from backend.engine_inbox import EngineInbox
 from backend.engine_setup import EngineParts, device_scope
 from backend.engine_stats import EngineStats
+from backend.executor.drafted_step import DraftedSteps
 from backend.step_records import StepState
 from backend.outputs.processor import OutputProcessor, StepEvent
 from backend.request import FINISH_ABORT, FINISH_ERROR, Request, RequestStatus
 from backend.request_registry import LiveRequests
 from backend.runtime.loop_gate import LoopGate
+from backend.speculative.speculator import Speculator, StepDrafts
 
 log = logging.getLogger("tandem.engine")
 
@@ -27,7 +30,7 @@ class EngineLoop:
     except the stopping and healthy flags, which the front reads (and sets stopping to end the loop)."""
 
     def __init__(self, parts: EngineParts, fault_every: int, inbox: EngineInbox, outputs: OutputProcessor,
-                 gate: LoopGate, stats: EngineStats):
+                 gate: LoopGate, stats: EngineStats, speculator: Speculator | None = None):
         self.scheduler, self.block_manager, self.runner = parts.scheduler, parts.block_manager, parts.runner
         self.timeline, self.device, self.async_pipeline = parts.timeline, parts.device, parts.async_pipeline
         self.updates = StepUpdater(self.scheduler, self.block_manager, parts.max_model_len)
@@ -40,6 +43,10 @@ class EngineLoop:
         self._consecutive_faults = 0
         self._fault_every = fault_every
         self._fault_clock = 0  # scheduled steps, counted for the fault hook
+        self.speculator = speculator
+        if speculator is not None:
+            self._drafted = DraftedSteps(self.runner)
+            self._drafted_updates = DraftedStepUpdater(self.updates, speculator)
 
     def run(self) -> None:
         """The loop thread's body: until stopped, carry out commands and run steps; on the way out, fail what is left."""
@@ -69,6 +76,8 @@ class EngineLoop:
 
     def _step(self) -> bool:
         """Schedule, pack and launch the next step, and complete the one before; False when there was nothing."""
+        if self.speculator is not None:
+            return self._step_speculative()
         tl = self.timeline
         started = tl.now()
         batch = self.scheduler.schedule()
@@ -103,6 +112,51 @@ class EngineLoop:
         self.refresh_stats()
         return batch is not None or prev is not None
 
+    def _step_speculative(self) -> bool:
+        """A step of the synchronous pipeline whose decode rows may carry drafts: scheduled, drafted, packed,
+        launched and completed before the next is packed (a row's next input depends on the drafts it kept)."""
+        tl = self.timeline
+        started = tl.now()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            time.sleep(0.001)
+            tl.next_step()
+            self.refresh_stats()
+            return False
+        tl.cpu_span_since("schedule", started)
+        self._fault_clock += 1
+        if self._fault_every and self._fault_clock % self._fault_every == 0:
+            raise RuntimeError(f"injected fault at step {self._fault_clock} (test hook)")
+        with tl.cpu_span("pack"):
+            drafts = self.speculator.propose(batch)
+            cur = self.runner.pack(batch, None)
+        with tl.cpu_span("launch"):
+            if drafts is None:
+                self.runner.launch_forward(cur, None)
+                self.runner.launch_sampling(cur, deferred=cur.sample_after_previous)
+            else:
+                self._drafted.launch(cur, drafts)
+        self.steps += 1
+        if drafts is None:
+            self._complete(cur, next_state=None)
+        else:
+            self._complete_drafted(cur, drafts)
+        tl.next_step()
+        self.refresh_stats()
+        return True
+
+    def _complete_drafted(self, st: StepState, drafts: StepDrafts) -> None:
+        self.gate.open()
+        try:
+            result = self._drafted.read(st, drafts)
+        finally:
+            self.gate.close()
+        with self.timeline.cpu_span("update"):
+            events, last = self._drafted_updates.apply(st, result, drafts, self._finish)
+            self._drafted.leave_last_tokens(st, last)
+            if events:
+                self.outputs.push(events)
+
     def _complete(self, st: StepState, next_state: StepState | None) -> None:
         self.gate.open()  # why: blocked on the GPU next, helper threads may have the GIL meanwhile
         try:
@@ -118,6 +172,8 @@ class EngineLoop:
         """Finish req once (the step update's rule), and forget it here."""
         self.updates.finish(req, reason, next_state)
         self.live.forget(req)
+        if self.speculator is not None:
+            self.speculator.finished(req)
 
     def _drain_inbox(self, block: bool) -> None:
         """Carry out the callers' commands (waiting up to 0.5 s for one when block)."""
@@ -175,6 +231,8 @@ class EngineLoop:
             self.outputs.push([StepEvent(req.request_id, None, None, reason, message, _tokens_if_final_only(req))])
         self.live.clear()
         self.scheduler.clear()
+        if self.speculator is not None:
+            self.speculator.forget_all()
         if queued:  # requests that were in the inbox were accepted too: answer them
             self.outputs.push([StepEvent(s.request_id, None, None, reason, message) for s in queued])
         self.refresh_stats()

@@ -8,8 +8,9 @@ class EngineStats:
     _GPU_KEYS = ("gpu_busy_fraction", "gpu_busy_uncertain_fraction")
     _GPU_EVERY = 256  # steps between reads of the timeline's busy figures
 
-    def __init__(self, scheduler, block_manager, timeline):
+    def __init__(self, scheduler, block_manager, timeline, speculator=None):
         self._scheduler = scheduler
+        self._speculator = speculator  # its draft counts join the figures where the engine speculates
         self._blocks = block_manager
         self._timeline = timeline
         self._snapshot: dict = {}
@@ -28,6 +29,8 @@ class EngineStats:
             "preemptions": sch.num_preemptions,
             "steps": steps,
         }
+        if self._speculator is not None:
+            snap.update(self._speculator.counts())
         if self._timeline.enabled and steps % self._GPU_EVERY == 0 and steps:
             # O(1): a summary over 256 steps' spans (and resolving their events at once) stalled the loop for ms
             snap["gpu_busy_fraction"] = self._timeline.recent_busy_fraction()  # exact spans: kernel time

@@ -1,0 +1,106 @@
+"""A step whose decode rows carry drafted tokens: its packed inputs widened (each row's drafts after its token), one
+eager forward with logits at every drafted position, every position sampled as the row's later steps would be
+(verify.expand_rows), and all of them read back. CUDA graphs are not used for such steps."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from backend.executor.runner import ModelRunner
+from backend.speculative.speculator import StepDrafts
+from backend.speculative.verify import expand_rows
+from backend.step_records import StepResult, StepState
+
+_TOKEN_COLUMNS = ("input_ids", "positions", "slot_mapping", "carry_src")
+
+
+class DraftedSteps:
+    """Launches and reads the runner's steps that carry drafts (the synchronous pipeline: nothing carries over)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def launch(self, st: StepState, drafts: StepDrafts) -> None:
+        """Widen st's packed inputs by its drafts, then queue its forward and its sampling of every position."""
+        r, slot, batch = self.runner, st.slot, st.batch
+        starts = drafts.starts()
+        rows = starts[-1] + 1 + len(drafts.drafts[-1])
+        max_len = self._widen(st, drafts, starts)
+        sampling = r.packer.sampling_rows(st, len(st.sampled))  # one row each, as packed; expanded on the device
+        edits = r.packer.logit_edits(st)
+        tokens = batch.num_tokens + drafts.num_drafted
+        width = -(-max_len // r.block_size)
+        longest_query = max(max(batch.num_new_tokens), max(drafts.counts))
+
+        def forward() -> tuple[bool, float]:
+            st.logits = r._eager_forward(slot, len(batch), tokens, width, max_len, longest_query, None, rows)
+            return False, 0.0
+
+        def sample() -> tuple[int, bool, float]:
+            logits = st.logits
+            if edits is not None:  # rows with edits draft nothing: their one position is their first
+                firsts = torch.tensor(starts, device=logits.device)
+                own = logits[firsts]
+                edits.apply(own, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][firsts]])
+                logits[firsts] = own
+            r.sampler.sample_into(logits, expand_rows(sampling, drafts.counts), slot.targets)
+            return rows, False, 0.0
+
+        r.pipeline.launch_forward(slot, slot.i32_prefix + len(batch) * r.layout.max_blocks, forward)
+        r.pipeline.launch_sampling(slot, sample, st.read_logprobs)
+
+    @staticmethod
+    def _widen(st: StepState, drafts: StepDrafts, starts: list[int]) -> int:
+        """Rewrite the slot's token columns: decode row i's token at starts[i], its drafts after it, the prefill
+        chunks after all rows; every drafted position a logits row. Returns the longest context."""
+        slot, batch, rb = st.slot, st.batch, st.batch.rows
+        h, bs = slot.np, rb.block_size
+        n, T, D, B = batch.num_rows, batch.num_tokens, drafts.num_drafted, len(batch)
+        m = len(st.sampled)
+        for name in _TOKEN_COLUMNS:  # the chunks' tokens move past the drafts
+            h[name][n + D:T + D] = h[name][n:T].copy()
+        prefill_logits = h["logits_idx"][n:m] + D
+        lengths = np.array([1 + len(d) for d in drafts.drafts[:n]], dtype=np.int64)
+        row_starts = np.asarray(starts[:n], dtype=np.int64)
+        within = np.arange(n + D) - np.repeat(row_starts, lengths)
+        positions = np.repeat(h["positions"][:n], lengths) + within
+        ids = np.repeat(h["input_ids"][:n], lengths)
+        for i, guess in enumerate(drafts.drafts[:n]):
+            if guess:
+                ids[starts[i] + 1:starts[i] + 1 + len(guess)] = guess
+        blocks = rb.table_store[np.repeat(rb.table_rows, lengths), positions // bs]
+        h["input_ids"][:n + D] = ids
+        h["positions"][:n + D] = positions
+        h["slot_mapping"][:n + D] = blocks.astype(np.int64) * bs + positions % bs
+        h["carry_src"][:n + D] = -1
+        h["seq_lens"][:n] = rb.computed + lengths - 1
+        qsl = h["query_start_loc"]
+        qsl[n + 1:B + 1] += D
+        qsl[:n] = row_starts
+        qsl[n] = n + D
+        h["logits_idx"][n + D:m + D] = prefill_logits
+        h["logits_idx"][:n + D] = np.arange(n + D)
+        # why: the packer's shortcuts assume one token per row; the next pack writes these rows whole
+        slot.arange_rows = 0
+        slot.decode_padding = None
+        return max(st.max_len, int(h["seq_lens"][:n].max()))
+
+    def read(self, st: StepState, drafts: StepDrafts) -> StepResult:
+        """Block until the step's outputs are on the host: every position's token (and logprobs when asked)."""
+        r, slot = self.runner, st.slot
+        r.pipeline.wait(slot)
+        rows = sum(drafts.counts)
+        result = StepResult(st.sampled, slot.host_tokens[:rows].tolist())
+        if st.read_logprobs:
+            result.logprobs = slot.host_logprobs[:rows].tolist()
+            result.ranks = slot.host_ranks[:rows].tolist()
+            if st.num_top:
+                result.top_ids = slot.host_top_ids[:rows, :st.num_top].tolist()
+                result.top_logprobs = slot.host_top_logprobs[:rows, :st.num_top].tolist()
+        return result
+
+    @staticmethod
+    def leave_last_tokens(st: StepState, last: list[int]) -> None:
+        """Each sampled row's last emitted token at its row of the slot's host tokens, where the next (synchronous)
+        pack reads a row's input, as after a step of one token per row."""
+        st.slot.host_tokens[:len(last)] = torch.tensor(last, dtype=torch.int64)

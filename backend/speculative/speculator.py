@@ -1,0 +1,139 @@
+"""The engine's side of speculation: which decode rows of a scheduled step take drafted tokens (and the KV blocks
+they need), which drafts the model kept once the step is read, and the counts for stats().
+
+A row that feeds its last token and d drafts gets d + 1 positions of logits, each sampled as the row's token that
+many steps later would be (verify.expand_rows). The row keeps the leading drafts its own samples equal, plus its
+sample after them: e tokens emitted, its KV length advanced by exactly e, the blocks past them returned."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backend.core.kv_cache import BlockManager
+from backend.core.scheduler import ScheduledBatch
+from backend.request import Request, penalised
+from backend.speculative.proposer import Proposer
+from backend.speculative.token_history import TokenHistory
+
+
+@dataclass(slots=True)
+class StepDrafts:
+    """The drafts one step carries, per sampled row in the step's output-row order (decode rows first)."""
+
+    drafts: list[list[int]]  # each sampled row's drafted tokens ([] for none; prefill rows never draft)
+    num_drafted: int
+
+    @property
+    def counts(self) -> list[int]:
+        """Logits positions of each sampled row: its own token's and one per draft."""
+        return [1 + len(d) for d in self.drafts]
+
+    def starts(self) -> list[int]:
+        """Each sampled row's first position among the step's logits rows."""
+        out, at = [], 0
+        for d in self.drafts:
+            out.append(at)
+            at += 1 + len(d)
+        return out
+
+
+class Speculator:
+    """Proposes drafts for a step's decode rows within the step's token, row and KV-block room, settles each row's
+    count and blocks once the step is read, and keeps each request's token history for its proposer."""
+
+    def __init__(self, proposer: Proposer, num_tokens: int, block_manager: BlockManager, max_step_tokens: int,
+                 max_step_rows: int) -> None:
+        self.proposer = proposer
+        self.k = num_tokens
+        self.block_manager = block_manager
+        self.max_step_tokens = max_step_tokens  # a slot's token buffers
+        self.max_step_rows = max_step_rows  # a slot's logits and sampling rows: every drafted position takes one
+        self._histories: dict[Request, TokenHistory] = {}
+        self.proposed = self.accepted = self.steps = 0
+
+    def counts(self) -> dict:
+        return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted,
+                "spec_steps": self.steps}
+
+    def propose(self, batch: ScheduledBatch) -> StepDrafts | None:
+        """Drafts for the step's decode rows (their blocks taken); None when no row drafts. A step where any sampled
+        row has penalties or a grammar drafts nothing: the expanded sampler handles neither (verify.expand_rows)."""
+        n = batch.num_rows
+        if not n:
+            return None
+        sampled = [req for req, s in zip(batch.requests[n:], batch.samples[n:]) if s]
+        rb = batch.rows
+        if any(req.grammar is not None or penalised(req.params) for req in (*rb.requests, *sampled)):
+            return None
+        tokens_left = self.max_step_tokens - batch.num_tokens
+        rows_left = self.max_step_rows - n - len(sampled)
+        bm, bs = self.block_manager, self.block_manager.block_size
+        drafts: list[list[int]] = [[] for _ in range(n + len(sampled))]
+        total = 0
+        for row, req in enumerate(rb.requests):
+            # the row's token count may not pass its cap (max_tokens, max_model_len): the drafts never outrun it
+            k = min(self.k, tokens_left, rows_left, int(rb.token_cap[row] - rb.computed[row]) - 1)
+            if k <= 0 or not req.may_speculate:
+                continue
+            guess = self.proposer.propose(self._history(req), k)[:k]
+            room = len(req.block_ids) * bs - req.num_computed_tokens + bm.num_free_blocks * bs
+            guess = guess[:max(0, room)]
+            if not guess:
+                continue
+            held = len(req.block_ids)
+            bm.allocate_slots(req, len(guess))
+            if len(req.block_ids) > held:
+                rb.add_draft_blocks(row, req.block_ids[held:])
+            drafts[row] = guess
+            total += len(guess)
+            tokens_left -= len(guess)
+            rows_left -= len(guess)
+        if not total:
+            return None
+        return StepDrafts(drafts, total)
+
+    def settle(self, batch: ScheduledBatch, drafts: StepDrafts, tokens: list[int]) -> list[tuple[int, int]]:
+        """The step's tokens (every position of every sampled row) read: each decode row keeps its leading drafts
+        that equal its samples, its count and blocks follow (the rest returned); returns each sampled row's
+        (first position, tokens it emits)."""
+        rb, bm, bs = batch.rows, self.block_manager, self.block_manager.block_size
+        spans = []
+        self.steps += 1
+        for row, (start, guess) in enumerate(zip(drafts.starts(), drafts.drafts)):
+            kept = 0
+            while kept < len(guess) and guess[kept] == tokens[start + kept]:
+                kept += 1
+            spans.append((start, kept + 1))
+            if guess:
+                self.proposed += len(guess)
+                self.accepted += kept
+                req = rb.requests[row]
+                bm.release_tail(req, -(-(req.num_computed_tokens + kept) // bs))
+                rb.keep_drafts(row, kept)
+        return spans
+
+    def finished(self, req: Request) -> None:
+        """req ended: its history (prompt and outputs) goes to the proposer, and is forgotten here."""
+        history = self._histories.pop(req, None)
+        if history is None:
+            if not req.output_token_ids:
+                return
+            history = TokenHistory(req.prompt_token_ids)
+        self._catch_up(req, history)
+        self.proposer.finished(history, req.num_prompt_tokens)
+
+    def forget_all(self) -> None:
+        self._histories.clear()
+
+    def _history(self, req: Request) -> TokenHistory:
+        history = self._histories.get(req)
+        if history is None:
+            history = self._histories[req] = TokenHistory(req.prompt_token_ids)
+        self._catch_up(req, history)
+        return history
+
+    @staticmethod
+    def _catch_up(req: Request, history: TokenHistory) -> None:
+        """Append the outputs the history lacks (a preempted request's prompt is the same, so it stays right)."""
+        have = len(history) - req.num_prompt_tokens
+        if have < len(req.output_token_ids):
+            history.extend(req.output_token_ids[have:])
