@@ -240,3 +240,42 @@ def test_default_model_greedy_equal_with_ngram():
             engine.shutdown()
     assert outs[1].token_ids == outs[0].token_ids and outs[1].text == outs[0].text
     assert counts["spec_accepted_tokens"] > 0
+
+
+def test_preemption_keeps_outputs_equal(path):
+    """A KV cache too small for all requests at once: rows are preempted and recomputed, and draft blocks come from
+    what is free (never by preempting); outputs unchanged, every block back."""
+    prompts = random_prompts([20, 18, 25, 22, 19, 24], seed=3)
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * len(prompts)
+    want, _, _ = _run(path, prompts, params, num_kv_blocks=40)
+    oracle = OracleProposer(_reference(path, prompts, params))
+    engine = tiny_engine(path, False, speculative_method="ngram", **{**SETTINGS, "num_kv_blocks": 40})
+    try:
+        engine.speculator.proposer = oracle
+        got = engine.generate(prompts, params)
+        assert engine.stats()["preemptions"] > 0
+        assert kv_blocks_used_after_settling(engine) == 0
+        assert engine.speculator.counts()["spec_accepted_tokens"] > 0
+    finally:
+        engine.shutdown()
+    assert _summary(got) == _summary(want)
+
+
+def test_abort_mid_generation_returns_blocks_and_history(path):
+    prompt = random_prompts([12], seed=12)[0]
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    oracle = OracleProposer(_reference(path, [prompt], [params]))
+    engine = tiny_engine(path, False, speculative_method="ngram", **SETTINGS)
+    try:
+        engine.speculator.proposer = oracle
+        stream = engine.add_request(prompt, params, request_id="a")
+        seen = 0
+        for out in stream:
+            seen += len(out.delta_token_ids)
+            if seen >= 10 and not out.finished:
+                engine.abort("a")
+        assert out.finish_reason == "abort"
+        assert kv_blocks_used_after_settling(engine) == 0
+        assert not engine.speculator._histories and oracle.finished_lengths
+    finally:
+        engine.shutdown()
