@@ -279,3 +279,29 @@ def test_abort_mid_generation_returns_blocks_and_history(path):
         assert not engine.speculator._histories and oracle.finished_lengths
     finally:
         engine.shutdown()
+
+
+def test_constrained_rows_beside_speculating_rows():
+    """Structured outputs (a grammar masks each token) beside free greedy rows on SmolLM2: steps holding a
+    constrained row draft nothing, the constrained outputs still match, the free ones equal a plain run's."""
+    import re
+
+    from tests.structured_cases import CHOICES, PROMPT, REGEX
+
+    free_prompt = "Repeat exactly: one two three, one two three, one two three, one two three,"
+    free = SamplingParams(max_tokens=40, temperature=0.0)
+    constrained = [SamplingParams(max_tokens=40, temperature=1.0, seed=7, structured_outputs=s)
+                   for s in ({"regex": REGEX}, {"choice": CHOICES})]
+    outs, counts = [], None
+    for method in ("", "ngram"):
+        engine = Engine(EngineConfig(device="cpu", speculative_method=method, num_kv_blocks=128, max_num_seqs=8))
+        try:
+            outs.append(engine.generate([free_prompt, PROMPT, PROMPT], [free, *constrained]))
+            if method:
+                counts = engine.speculator.counts()
+        finally:
+            engine.shutdown()
+    plain, speculative = outs
+    assert [o.token_ids for o in speculative] == [o.token_ids for o in plain]
+    assert re.fullmatch(REGEX, speculative[1].text) and speculative[2].text in CHOICES
+    assert counts["spec_accepted_tokens"] > 0  # the free row drafts once the constrained ones are done
