@@ -64,38 +64,49 @@ class StepUpdater:
     def _update_rows(self, result: StepResult, rows: list[int], next_state: StepState | None,
                      events: list[StepEvent | tuple[str, int]], finish) -> None:
         """Each of these sampled rows: accept its token, check its stops, append its event."""
-        lps = result.logprobs
-        requests, tokens = result.requests, result.token_ids
+        requests = result.requests
         for i in rows:
-            req, tok = requests[i], tokens[i]
+            req = requests[i]
             if req.is_finished:
                 req.drop_pending()  # finished while this step was queued: its token is dropped
                 continue
-            req.accept_token(tok)
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            reason = self._stop_reason(req, tok)
-            if reason is None and req.matcher is not None:
-                reason = _grammar_stop(req, tok)
-            if req.final_only:  # no per-step event: the output thread hears of it once, at the end
-                if reason is None:
-                    continue
-                event = StepEvent(req.request_id, tok, None, reason, all_tokens=req.output_token_ids)
-            else:
-                lp = None
-                if lps is not None:
-                    top = None
-                    if result.top_ids is not None and req.params.logprobs:
-                        k = req.params.logprobs
-                        top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k]))
-                    lp = (lps[i], result.ranks[i], top)
-                if lp is None and reason is None:
-                    events.append((req.request_id, tok))  # the common case: a bare pair, made an event off the loop
-                    continue
-                event = StepEvent(req.request_id, tok, lp, reason)
-            events.append(event)
-            if reason is not None:
-                finish(req, reason, next_state)
+            self.accept_at(req, result, i, next_state, events, finish)
+
+    def accept_at(self, req: Request, result: StepResult, pos: int, next_state: StepState | None,
+                  events: list[StepEvent | tuple[str, int]], finish, exact_length: bool = False) -> str | None:
+        """The one rule for a sampled token: req (not finished) accepts the token at position pos of the step's
+        results, its stops are checked (stop tokens after min_tokens, lengths, its grammar), its event appended, and
+        it is finished where a stop says so; returns that stop's reason, or None. exact_length: the length limit
+        reads the prompt and the outputs so far (a row that took several tokens in one step has counted them all
+        already), not the row's count."""
+        tok = result.token_ids[pos]
+        req.accept_token(tok)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        length = req.num_prompt_tokens + len(req.output_token_ids) if exact_length else req.num_tokens
+        reason = self._stop_reason(req, tok, length)
+        if reason is None and req.matcher is not None:
+            reason = _grammar_stop(req, tok)
+        if req.final_only:  # no per-step event: the output thread hears of it once, at the end
+            if reason is None:
+                return None
+            event = StepEvent(req.request_id, tok, None, reason, all_tokens=req.output_token_ids)
+        else:
+            lp = None
+            if result.logprobs is not None:
+                top = None
+                if result.top_ids is not None and req.params.logprobs:
+                    k = req.params.logprobs
+                    top = list(zip(result.top_ids[pos][:k], result.top_logprobs[pos][:k]))
+                lp = (result.logprobs[pos], result.ranks[pos], top)
+            if lp is None and reason is None:
+                events.append((req.request_id, tok))  # the common case: a bare pair, made an event off the loop
+                return None
+            event = StepEvent(req.request_id, tok, lp, reason)
+        events.append(event)
+        if reason is not None:
+            finish(req, reason, next_state)
+        return reason
 
     def _update_decode_rows(self, st: StepState, result: StepResult
                             ) -> tuple[list[tuple[str, int]], list[int]] | None:
@@ -125,12 +136,12 @@ class StepUpdater:
         packed.accept(tokens, kept)
         return packed.events(tokens, kept), risky
 
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
+    def _stop_reason(self, req: Request, tok: int, length: int) -> str | None:
         p = req.params
         n_out = len(req.output_token_ids)
         if tok in req.stop_ids and n_out > p.min_tokens:  # an EOS before min_tokens does not end the request
             return FINISH_STOP
-        if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= p.max_tokens or length >= self.max_model_len:
             return FINISH_LENGTH
         return None
 

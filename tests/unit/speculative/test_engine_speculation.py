@@ -305,3 +305,12 @@ def test_constrained_rows_beside_speculating_rows():
     assert [o.token_ids for o in speculative] == [o.token_ids for o in plain]
     assert re.fullmatch(REGEX, speculative[1].text) and speculative[2].text in CHOICES
     assert counts["spec_accepted_tokens"] > 0  # the free row drafts once the constrained ones are done
+
+
+def test_the_length_limit_ends_a_row_at_its_own_token(path):
+    """max_model_len reached inside a drafted span: the row emits every token up to the limit, as without drafts
+    (the row's count already holds the whole span, so the limit reads the prompt and outputs so far)."""
+    prompts = random_prompts([10, 13], seed=11)
+    params = [SamplingParams(max_tokens=24 - len(p), temperature=0.0, ignore_eos=True) for p in prompts]
+    counts, _ = _equal_with_oracle(path, prompts, params, max_model_len=24)
+    assert counts["spec_accepted_tokens"] > 0
