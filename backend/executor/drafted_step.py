@@ -87,17 +87,7 @@ class DraftedSteps:
 
     def read(self, st: StepState, drafts: StepDrafts) -> StepResult:
         """Block until the step's outputs are on the host: every position's token (and logprobs when asked)."""
-        r, slot = self.runner, st.slot
-        r.pipeline.wait(slot)
-        rows = sum(drafts.counts)
-        result = StepResult(st.sampled, slot.host_tokens[:rows].tolist())
-        if st.read_logprobs:
-            result.logprobs = slot.host_logprobs[:rows].tolist()
-            result.ranks = slot.host_ranks[:rows].tolist()
-            if st.num_top:
-                result.top_ids = slot.host_top_ids[:rows, :st.num_top].tolist()
-                result.top_logprobs = slot.host_top_logprobs[:rows, :st.num_top].tolist()
-        return result
+        return self.runner.read(st, sum(drafts.counts))
 
     @staticmethod
     def leave_last_tokens(st: StepState, last: list[int]) -> None:

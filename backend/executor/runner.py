@@ -298,10 +298,11 @@ class ModelRunner:
         sampling.output_token_ids = torch.cat([out, pad], dim=1)
 
     # ---- results (after the step's one wait) ------------------------------------------------------
-    def read(self, st: StepState) -> StepResult:
-        """Block on st's device-to-host event, then copy its tokens out of the pinned buffers."""
+    def read(self, st: StepState, rows: int | None = None) -> StepResult:
+        """Block on st's device-to-host event, then copy its tokens out of the pinned buffers: one per sampled row,
+        or the first `rows` (a step whose rows sampled several positions)."""
         self.pipeline.wait(st.slot)
-        n = len(st.sampled)
+        n = len(st.sampled) if rows is None else rows
         slot = st.slot
         result = StepResult(st.sampled, slot.host_tokens[:n].tolist())
         if st.read_logprobs:
