@@ -224,22 +224,31 @@ def test_real_proposers_keep_outputs_equal(path, method):
     assert counts["spec_proposed_tokens"] > 0
 
 
-def test_default_model_greedy_equal_with_ngram():
+@pytest.fixture(scope="module")
+def smollm2():
+    """The default model on the CPU, loaded once: an engine without speculation and one with ngram over it."""
+    settings = dict(device="cpu", num_kv_blocks=128, max_num_seqs=8)
+    plain = Engine(EngineConfig(**settings))
+    spec = Engine(EngineConfig(**settings, speculative_method="ngram"), model=plain.parts.model,
+                  tokenizer=plain.tokenizer)
+    yield plain, spec
+    spec.shutdown()
+    plain.shutdown()
+
+
+def _accepted(engine) -> int:
+    return engine.speculator.counts()["spec_accepted_tokens"]
+
+
+def test_default_model_greedy_equal_with_ngram(smollm2):
     """SmolLM2 on the CPU: a prompt that invites repetition; greedy outputs equal, some drafts kept."""
+    plain, spec = smollm2
     prompt = "Repeat exactly: red green blue, red green blue, red green blue, red green blue,"
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    outs = []
-    counts = None
-    for method in ("", "ngram"):
-        engine = Engine(EngineConfig(device="cpu", speculative_method=method, num_kv_blocks=64))
-        try:
-            outs.append(engine.generate([prompt], params)[0])
-            if method:
-                counts = engine.speculator.counts()
-        finally:
-            engine.shutdown()
-    assert outs[1].token_ids == outs[0].token_ids and outs[1].text == outs[0].text
-    assert counts["spec_accepted_tokens"] > 0
+    before = _accepted(spec)
+    want, got = plain.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert _accepted(spec) > before
 
 
 def test_preemption_keeps_outputs_equal(path):
@@ -281,30 +290,24 @@ def test_abort_mid_generation_returns_blocks_and_history(path):
         engine.shutdown()
 
 
-def test_constrained_rows_beside_speculating_rows():
+def test_constrained_rows_beside_speculating_rows(smollm2):
     """Structured outputs (a grammar masks each token) beside free greedy rows on SmolLM2: steps holding a
     constrained row draft nothing, the constrained outputs still match, the free ones equal a plain run's."""
     import re
 
     from tests.structured_cases import CHOICES, PROMPT, REGEX
 
+    plain, spec = smollm2
     free_prompt = "Repeat exactly: one two three, one two three, one two three, one two three,"
     free = SamplingParams(max_tokens=40, temperature=0.0)
     constrained = [SamplingParams(max_tokens=40, temperature=1.0, seed=7, structured_outputs=s)
                    for s in ({"regex": REGEX}, {"choice": CHOICES})]
-    outs, counts = [], None
-    for method in ("", "ngram"):
-        engine = Engine(EngineConfig(device="cpu", speculative_method=method, num_kv_blocks=128, max_num_seqs=8))
-        try:
-            outs.append(engine.generate([free_prompt, PROMPT, PROMPT], [free, *constrained]))
-            if method:
-                counts = engine.speculator.counts()
-        finally:
-            engine.shutdown()
-    plain, speculative = outs
-    assert [o.token_ids for o in speculative] == [o.token_ids for o in plain]
-    assert re.fullmatch(REGEX, speculative[1].text) and speculative[2].text in CHOICES
-    assert counts["spec_accepted_tokens"] > 0  # the free row drafts once the constrained ones are done
+    before = _accepted(spec)
+    want = plain.generate([free_prompt, PROMPT, PROMPT], [free, *constrained])
+    got = spec.generate([free_prompt, PROMPT, PROMPT], [free, *constrained])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch(REGEX, got[1].text) and got[2].text in CHOICES
+    assert _accepted(spec) > before  # the free row drafts once the constrained ones are done
 
 
 def test_the_length_limit_ends_a_row_at_its_own_token(path):
