@@ -86,9 +86,7 @@ class EngineLoop:
             # an idle poll (every half second while nothing runs) is no step: its span would stretch the window the
             # timeline's busy figures divide by, over all the idle time since the last step
             tl.cpu_span_since("schedule", started)
-            self._fault_clock += 1
-            if self._fault_every and self._fault_clock % self._fault_every == 0:
-                raise RuntimeError(f"injected fault at step {self._fault_clock} (test hook)")
+            self._count_step_for_faults()
             with tl.cpu_span("pack"):
                 cur = self.runner.pack(batch, self._inflight)
             with tl.cpu_span("launch"):
@@ -124,9 +122,7 @@ class EngineLoop:
             self.refresh_stats()
             return False
         tl.cpu_span_since("schedule", started)
-        self._fault_clock += 1
-        if self._fault_every and self._fault_clock % self._fault_every == 0:
-            raise RuntimeError(f"injected fault at step {self._fault_clock} (test hook)")
+        self._count_step_for_faults()
         with tl.cpu_span("pack"):
             drafts = self.speculator.propose(batch)
             cur = self.runner.pack(batch, None)
@@ -144,6 +140,12 @@ class EngineLoop:
         tl.next_step()
         self.refresh_stats()
         return True
+
+    def _count_step_for_faults(self) -> None:
+        """The test hook: every fault_every-th scheduled step raises."""
+        self._fault_clock += 1
+        if self._fault_every and self._fault_clock % self._fault_every == 0:
+            raise RuntimeError(f"injected fault at step {self._fault_clock} (test hook)")
 
     def _complete_drafted(self, st: StepState, drafts: StepDrafts) -> None:
         self.gate.open()

@@ -308,8 +308,7 @@ class Request:
     def __post_init__(self) -> None:
         p = self.params
         self.plain_greedy = (p.temperature == 0.0 and p.logprobs is None and p.min_tokens == 0
-                             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                             and p.frequency_penalty == 0.0 and not p.has_logit_rules and self.grammar is None)
+                             and not penalised(p) and not p.has_logit_rules and self.grammar is None)
         self.edits_logits = bool(p.min_tokens) or p.has_logit_rules
         self.may_speculate = (p.speculate and not self.edits_logits and self.grammar is None
                               and not penalised(p))
