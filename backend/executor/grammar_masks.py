@@ -17,18 +17,23 @@ if TYPE_CHECKING:
 class GrammarMasks:
     """Fills and applies the next-token masks of a step's sampled rows that follow a grammar."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, pinned: bool) -> None:
         self.vocab_size = vocab_size
-        self._masker = None  # the grammar library's batched filler, made for the first constrained step
+        self.pinned = pinned
+        # the grammar library's batched fillers, one per pipeline slot, made for the first constrained step: a
+        # slot's pinned bitmask is filled again only once that slot's step before has been read back, so its
+        # asynchronous copy to the device has run by then
+        self._maskers: dict[int, object] = {}
 
-    def apply(self, logits: torch.Tensor, sampled: list[Request]) -> None:
+    def apply(self, logits: torch.Tensor, sampled: list[Request], slot_index: int) -> None:
         """Set to -inf, in place, the logits of the tokens each constrained row's grammar does not allow next
         (rows of logits in the order of sampled; other rows, and finished requests' rows, are left alone)."""
         from backend.structured.grammar import TokenMasker, apply_token_bitmask
 
-        if self._masker is None:
-            self._masker = TokenMasker(self.vocab_size)
-        apply_token_bitmask(logits, self._masker.fill(_matchers(sampled)))
+        masker = self._maskers.get(slot_index)
+        if masker is None:
+            masker = self._maskers[slot_index] = TokenMasker(self.vocab_size, pinned=self.pinned)
+        apply_token_bitmask(logits, masker.fill(_matchers(sampled)))
 
 
 def _matchers(sampled: list[Request]) -> list:

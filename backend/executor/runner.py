@@ -32,7 +32,7 @@ class ModelRunner:
         self.pipeline = Pipeline(layout, device, timeline)
         self.sampler = Sampler(model.ops.sample_rows if fused_sampler else None)
         self.vocab_size = model.spec.vocab_size
-        self.grammar_masks = GrammarMasks(self.vocab_size)
+        self.grammar_masks = GrammarMasks(self.vocab_size, pinned=device.type == "cuda")
         self.sampler.vocab_hash(self.vocab_size, device)  # cached before any graph capture
         self.packer = SlotPacker(self.pipeline, layout, block_size, device)
         self.graphs: DecodeGraphs | None = None
@@ -213,7 +213,7 @@ class ModelRunner:
         if plan.edits is not None:
             plan.edits.apply(st.logits, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][:n]])
         if plan.constrained:  # after the edits: a grammar's ban stands whatever a bias adds
-            self.grammar_masks.apply(st.logits[:n], st.sampled)
+            self.grammar_masks.apply(st.logits[:n], st.sampled, slot.index)
         if sampling.any_penalty:
             self._append_input_tokens(slot, sampling, n)
         self.sampler.sample_into(st.logits[:rows], sampling, slot.targets)

@@ -260,14 +260,17 @@ def _struct_tag(item: Any, triggers: list[str], spec: StructuredOutputs) -> llgu
 class TokenMasker:
     """Fills many rows' next-token bitmasks in one batched call."""
 
-    def __init__(self, vocab_size: int, threads: int = 2) -> None:
-        """vocab_size: the logits' width (the GrammarCompiler's); threads: llguidance's workers for the fill."""
+    def __init__(self, vocab_size: int, threads: int = 2, pinned: bool = False) -> None:
+        """vocab_size: the logits' width (the GrammarCompiler's); threads: llguidance's workers for the fill;
+        pinned: the bitmask lives in page-locked memory, so its copy to a GPU need not wait for the work queued
+        before it (the caller must not fill again before that copy has run)."""
         if vocab_size < 1 or threads < 1:
             raise ValueError(f"vocab_size and threads must be positive, got {vocab_size} and {threads}")
         self.vocab_size = vocab_size
         self.words = (vocab_size + BITS - 1) // BITS
+        self.pinned = pinned
         self._executor = llguidance.LLExecutor(num_threads=threads)
-        self._buffer = _allocate_bitmask(1, self.words)
+        self._buffer = _allocate_bitmask(1, self.words, pinned)
 
     def fill(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
         """int32 (len(matchers), ceil(vocab_size / 32)) on the CPU: bit t of row i set = row i may take token t.
@@ -277,7 +280,7 @@ class TokenMasker:
         copy finish) before calling again."""
         rows = len(matchers)
         if rows > self._buffer.shape[0]:  # grown, never shrunk: a batch's size varies step to step
-            self._buffer = _allocate_bitmask(max(rows, 2 * self._buffer.shape[0]), self.words)
+            self._buffer = _allocate_bitmask(max(rows, 2 * self._buffer.shape[0]), self.words, self.pinned)
         bitmask = self._buffer[:rows]
         bitmask.fill_(-1)
         constrained = [(m.ll_matcher, row) for row, m in enumerate(matchers)
@@ -289,10 +292,9 @@ class TokenMasker:
         return bitmask
 
 
-def _allocate_bitmask(rows: int, words: int) -> torch.Tensor:
-    """An all-allowed bitmask in host memory. Pageable: its copy to a GPU waits for the work queued before it (the
-    step's forward); a pinned buffer, copied without that wait, is still to be measured on a GPU."""
-    return torch.full((rows, words), -1, dtype=torch.int32)
+def _allocate_bitmask(rows: int, words: int, pinned: bool) -> torch.Tensor:
+    """An all-allowed bitmask in host memory, page-locked if asked (then its copy to a GPU is asynchronous)."""
+    return torch.full((rows, words), -1, dtype=torch.int32, pin_memory=pinned)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -307,9 +309,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if bitmask.shape[0] < rows or bitmask.shape[1] < words:
         raise ValueError(f"bitmask {tuple(bitmask.shape)} is too small for logits {tuple(logits.shape)}: it needs "
                          f"at least ({rows}, {words})")
-    mask = bitmask[:rows]
+    mask = bitmask[:rows]  # whole rows: a pinned buffer's view stays contiguous, so its copy stays asynchronous
     if mask.device != logits.device:
-        mask = mask.to(logits.device)
+        mask = mask.to(logits.device, non_blocking=mask.is_pinned())
     shifts = torch.arange(BITS, dtype=torch.int32, device=logits.device)
     allowed = ((mask[:, :words].unsqueeze(-1) >> shifts) & 1).reshape(rows, words * BITS)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))

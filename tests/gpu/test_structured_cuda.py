@@ -52,3 +52,26 @@ def test_256_constrained_requests_beside_free_ones_have_no_violation(async_pipel
     bad = [(i, o.text) for i, o in enumerate(outs[:256]) if o.finish_reason != "stop" or not _valid(i % 3, o.text)]
     assert bad == [], bad[:5]
     assert all(o.token_ids for o in outs[256:])
+
+
+def test_a_pinned_bitmask_masks_cuda_logits_as_the_cpu_does():
+    """TokenMasker's page-locked bitmask copied without waiting (non_blocking) masks CUDA logits exactly as a
+    pageable one masks CPU logits, for a vocabulary that is not a multiple of 32."""
+    import torch
+
+    from backend.models.random_model import byte_tokenizer
+    from backend.structured.grammar import GrammarCompiler, TokenMasker, apply_token_bitmask
+    from backend.structured.spec import parse_structured_outputs
+
+    vocab = 1000
+    compiler = GrammarCompiler(byte_tokenizer(), vocab, 256)
+    matchers = [compiler.compile(parse_structured_outputs({"regex": REGEX})).matcher(), None,
+                compiler.compile(parse_structured_outputs({"choice": CHOICES})).matcher()]
+    logits = torch.randn(3, vocab)
+    want = logits.clone()
+    apply_token_bitmask(want, TokenMasker(vocab).fill(matchers))
+    pinned = TokenMasker(vocab, pinned=True).fill(matchers)
+    assert pinned.is_pinned()
+    got = logits.cuda()
+    apply_token_bitmask(got, pinned)
+    assert torch.equal(got.cpu(), want)
