@@ -1,0 +1,48 @@
+"""Speculative decoding on CUDA: drafted steps (eager, several tokens a row) between graph-captured one-token steps
+give the outputs of the engine without speculation (greedy and seeded sampling, float32), and on the random 1B
+shape in bf16 the n-gram proposer drafts, keeps some drafts and gives every KV block back."""
+from __future__ import annotations
+
+import pytest
+
+from backend import Engine, EngineConfig, SamplingParams
+from tests.tiny_models import build_tiny, kv_blocks_used_after_settling, random_prompts
+from tests.unit.speculative.test_engine_speculation import _equal_with_oracle
+
+pytestmark = pytest.mark.gpu
+CUDA = dict(device="cuda", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return build_tiny("llama", str(tmp_path_factory.mktemp("tiny")))
+
+
+def test_greedy_outputs_equal_on_cuda(path):
+    prompts = random_prompts([3, 30, 9, 57, 1, 16])
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 20, 7, 16, 3, 25)]
+    counts, _ = _equal_with_oracle(path, prompts, params, **CUDA)
+    assert 0 < counts["spec_accepted_tokens"] < counts["spec_proposed_tokens"]
+
+
+def test_seeded_sampling_and_logprobs_equal_on_cuda(path):
+    prompts = random_prompts([5, 11, 23, 2], seed=3)
+    params = [SamplingParams(max_tokens=18, temperature=0.8, top_p=0.9, top_k=40, seed=s, logprobs=2,
+                             ignore_eos=True) for s in (1, 2, 3, 4)]
+    counts, _ = _equal_with_oracle(path, prompts, params, num_speculative_tokens=3, **CUDA)
+    assert counts["spec_accepted_tokens"] > 0
+
+
+def test_ngram_on_the_1b_shape_in_bf16():
+    """Prompts that repeat a phrase, so n-gram matches; lengths exact and every block returned."""
+    engine = Engine(EngineConfig(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", max_model_len=512,
+                                 num_kv_blocks=256, max_num_seqs=16, speculative_method="ngram"))
+    try:
+        prompts = [list(range(100 + i, 116 + i)) * 6 for i in range(12)]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        counts = engine.speculator.counts()
+        assert [len(o.token_ids) for o in outs] == [64] * 12
+        assert counts["spec_steps"] > 0 and counts["spec_proposed_tokens"] > 0
+        assert kv_blocks_used_after_settling(engine) == 0
+    finally:
+        engine.shutdown()
