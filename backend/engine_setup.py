@@ -87,8 +87,11 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_len)
     timeline = Timeline(config.timeline, use_cuda=device.type == "cuda")
+    # a drafting row samples its token and each draft: a step's logits rows may outnumber its requests
+    drafted_rows = config.max_num_seqs * (1 + config.num_speculative_tokens) if config.speculative_method else 0
     layout = SlotLayout(max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
-                        max_blocks=-(-max_len // config.block_size), max_logprobs=MAX_LOGPROBS)
+                        max_blocks=-(-max_len // config.block_size), max_logprobs=MAX_LOGPROBS,
+                        max_rows=min(drafted_rows, config.max_num_batched_tokens))
     runner = ModelRunner(model, kv_cache, config.block_size, layout, device, timeline,
                          use_graphs=config.cuda_graphs, max_graph_batch=config.max_graph_batch_size,
                          fused_sampler=config.fused_sampler, mixed_graphs=config.mixed_step_graphs,

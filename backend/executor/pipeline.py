@@ -24,6 +24,10 @@ class SlotLayout:
     max_seqs: int  # requests of one step
     max_blocks: int  # block-table width
     max_logprobs: int  # top-n logprobs carried back
+    max_rows: int = 0  # logits and sampling rows of one step: max_seqs, or more where rows take drafted tokens
+
+    def __post_init__(self) -> None:
+        self.max_rows = max(self.max_rows, self.max_seqs)
 
 
 class Slot:
@@ -55,15 +59,15 @@ class Slot:
     def _make_inputs(self, layout: SlotLayout, device: torch.device, pin: bool) -> None:
         """Every input in one pinned buffer and its device twin, in three typed regions (each 8-byte aligned), so a
         step's inputs go over in one copy: all of it up to the block-table rows the step uses."""
-        T, S, W = layout.max_tokens, layout.max_seqs, layout.max_blocks
+        T, S, W, R = layout.max_tokens, layout.max_seqs, layout.max_blocks, layout.max_rows
         # int64 region: input_ids | positions | slot_mapping | carry_src | logits_idx | sampling (seeds, step)
-        self.i64_sizes = dict(input_ids=T, positions=T, slot_mapping=T, carry_src=T, logits_idx=S,
-                              sampling_i=2 * S)
-        # float32 region: the sampler's six per-row settings, laid out (6, S)
-        self.f32_sizes = dict(sampling_f=6 * S)
+        self.i64_sizes = dict(input_ids=T, positions=T, slot_mapping=T, carry_src=T, logits_idx=R,
+                              sampling_i=2 * R)
+        # float32 region: the sampler's six per-row settings, laid out (6, R)
+        self.f32_sizes = dict(sampling_f=6 * R)
         # int32 region: query_start_loc | seq_lens | top_k | block_tables (last, so a prefix copy suffices)
-        self.i32_sizes = dict(query_start_loc=S + 1, seq_lens=S, top_k=S, block_tables=S * W)
-        self.i32_prefix = 3 * S + 1  # elements before the block tables
+        self.i32_sizes = dict(query_start_loc=S + 1, seq_lens=S, top_k=R, block_tables=S * W)
+        self.i32_prefix = 2 * S + 1 + R  # elements before the block tables
         i64_bytes = 8 * sum(self.i64_sizes.values())
         f32_bytes = 8 * -(-sum(self.f32_sizes.values()) // 2)
         self.i32_offset = i64_bytes + f32_bytes  # bytes before the int32 region
@@ -79,14 +83,14 @@ class Slot:
         self.host["block_tables"] = self.host["block_tables"].view(S, W)
         self.dev["block_tables"] = self.dev["block_tables"].view(S, W)
         self.np = {k: v.numpy() for k, v in self.host.items()}  # numpy views of the pinned buffers
-        # the sampler's per-row settings as (field, row) arrays: floats (6, S), seeds and step indices (2, S), top-k
-        self.sampling_host = (self.np["sampling_f"].reshape(6, S), self.np["sampling_i"].reshape(2, S),
+        # the sampler's per-row settings as (field, row) arrays: floats (6, R), seeds and step indices (2, R), top-k
+        self.sampling_host = (self.np["sampling_f"].reshape(6, R), self.np["sampling_i"].reshape(2, R),
                               self.np["top_k"])
         self._sampling_views: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _make_outputs(self, layout: SlotLayout, device: torch.device, pin: bool) -> None:
         """Sampled tokens and their logprobs: written by the compute stream, copied back by D2H."""
-        S, K = layout.max_seqs, max(1, layout.max_logprobs)
+        S, K = layout.max_rows, max(1, layout.max_logprobs)
         self.out_tokens = torch.zeros(S, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(S, dtype=torch.float32, device=device)
         self.out_ranks = torch.zeros(S, dtype=torch.int64, device=device)

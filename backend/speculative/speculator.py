@@ -48,11 +48,11 @@ class Speculator:
         self.max_step_tokens = max_step_tokens  # a slot's token buffers
         self.max_step_rows = max_step_rows  # a slot's logits and sampling rows: every drafted position takes one
         self._histories: dict[Request, TokenHistory] = {}
-        self.proposed = self.accepted = self.steps = 0
+        self.proposed = self.accepted = self.steps = self.drafts = 0  # drafts: rows' drafted spans verified
 
     def counts(self) -> dict:
         return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted,
-                "spec_steps": self.steps}
+                "spec_steps": self.steps, "spec_drafts": self.drafts}
 
     def propose(self, batch: ScheduledBatch) -> StepDrafts | None:
         """Drafts for the step's decode rows (their blocks taken); None when no row drafts. A step where any sampled
@@ -104,6 +104,7 @@ class Speculator:
                 kept += 1
             spans.append((start, kept + 1))
             if guess:
+                self.drafts += 1
                 self.proposed += len(guess)
                 self.accepted += kept
                 req = rb.requests[row]

@@ -1,0 +1,131 @@
+"""python -m bench.spec_speed: what speculative decoding's verify steps cost and give against how often drafts are
+right, on a random-weight model shape (default the Llama-3-8B shape) where real proposers' acceptance means nothing.
+
+The drafts come from an oracle proposer, a benchmark device never offered to users: a run without speculation first
+records each request's greedy continuation; then, at every step, the oracle proposes the next k tokens of that
+continuation, each replaced by another token with probability 1 - alpha (so at alpha = 1 every draft is the model's
+own next token, at alpha = 0 none is). Greedy verification keeps the leading drafts equal to the model's tokens; if a
+verify step's rounding makes the model choose otherwise than in the recording, drafts after that are wrong, so the
+measured acceptance is printed beside the alpha asked for.
+
+For each batch size, in one process with one copy of the weights: the default engine (asynchronous pipeline, no
+speculation), the speculating engine with every request opting out (its synchronous loop alone), and the
+speculating engine at each alpha. Prints a table and one JSON line; tok/s counts output tokens over the wall time,
+"kept" the share of drafted tokens accepted, "tokens/draft" the mean acceptance length (tokens a drafting row emits
+in a verify step: its accepted drafts and the model's own token after them)."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import numpy as np
+
+from backend import Engine, EngineConfig, SamplingParams
+from backend.speculative.proposer import Proposer
+from backend.speculative.token_history import TokenHistory
+
+
+class OracleProposer(Proposer):
+    """Benchmark only: proposes a recorded continuation's next tokens, each corrupted with probability 1 - alpha."""
+
+    name = "oracle"
+
+    def __init__(self, recorded: dict[tuple, list[int]], prompt_len: int, alpha: float, vocab: int,
+                 seed: int = 0) -> None:
+        self.recorded = recorded  # prompt (as a tuple) -> its greedy continuation
+        self.prompt_len = prompt_len
+        self.alpha = alpha
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, history: TokenHistory, k: int) -> list[int]:
+        tokens = history.tokens
+        continuation = self.recorded.get(tuple(tokens[:self.prompt_len].tolist()))
+        if continuation is None:
+            return []
+        at = len(tokens) - self.prompt_len
+        drafts = continuation[at:at + k]
+        return [t if self.rng.random() < self.alpha else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                for t in drafts]
+
+
+def timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return outs, time.perf_counter() - start
+
+
+def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int) -> list[dict]:
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(3, min(vocab, 30000)) for _ in range(args.prompt_len)] for _ in range(batch)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    plain.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm
+    outs, seconds = timed_generate(plain, prompts, params)
+    recorded = {tuple(p): list(o.token_ids) for p, o in zip(prompts, outs)}
+    tokens = batch * args.max_tokens
+    rows = [dict(batch=batch, mode="async, no speculation", alpha=None, tok_per_s=tokens / seconds)]
+    opt_out = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, speculate=False)
+    _, seconds = timed_generate(spec, prompts, opt_out)
+    rows.append(dict(batch=batch, mode="sync, no speculation", alpha=None, tok_per_s=tokens / seconds))
+    for alpha in args.alphas:
+        spec.speculator.proposer = OracleProposer(recorded, args.prompt_len, alpha, vocab, seed=batch)
+        before = spec.speculator.counts()
+        got, seconds = timed_generate(spec, prompts, params)
+        after = spec.speculator.counts()
+        proposed, accepted, steps, spans = (after[key] - before[key] for key in
+                                            ("spec_proposed_tokens", "spec_accepted_tokens", "spec_steps",
+                                             "spec_drafts"))
+        same = np.mean([g.token_ids == recorded[tuple(p)] for g, p in zip(got, prompts)])
+        rows.append(dict(batch=batch, mode=f"sync, oracle k={args.k}", alpha=alpha, tok_per_s=tokens / seconds,
+                         accepted_share=accepted / proposed if proposed else 0.0,
+                         mean_acceptance_length=1 + accepted / spans if spans else 1.0, drafted_steps=steps,
+                         outputs_as_recorded=float(same)))
+    base = rows[0]["tok_per_s"]
+    for r in rows:
+        r["vs_async"] = r["tok_per_s"] / base
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="random:llama-3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--alphas", default="0,0.5,0.8,1.0")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    args = parser.parse_args(argv)
+    args.alphas = [float(a) for a in args.alphas.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    blocks = -(-max(batches) * (args.prompt_len + args.max_tokens + args.k + 1) // 16) + max(batches) + 8
+    common = dict(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
+                  max_model_len=args.prompt_len + args.max_tokens + args.k + 8, num_kv_blocks=blocks)
+    plain = Engine(EngineConfig(**common))
+    spec = Engine(EngineConfig(**common, async_pipeline=False, speculative_method="ngram",
+                               num_speculative_tokens=args.k), model=plain.parts.model, tokenizer=plain.tokenizer)
+    vocab = plain.spec.vocab_size
+    rows = []
+    try:
+        for batch in batches:
+            rows += run_batch(plain, spec, batch, args, vocab)
+    finally:
+        spec.shutdown()
+        plain.shutdown()
+    print(f"{'batch':>5}  {'mode':<24} {'alpha':>5}  {'tok/s':>9}  {'÷ async':>7}  {'kept':>5}  {'tokens/draft':>12}  "
+          f"{'as recorded':>11}")
+    for r in rows:
+        alpha = "" if r["alpha"] is None else f"{r['alpha']:.2f}"
+        extra = (f"{r['accepted_share']:>5.2f}  {r['mean_acceptance_length']:>12.2f}  {r['outputs_as_recorded']:>11.2f}"
+                 if r["alpha"] is not None else "")
+        print(f"{r['batch']:>5}  {r['mode']:<24} {alpha:>5}  {r['tok_per_s']:>9.1f}  {r['vs_async']:>7.3f}  {extra}")
+    print(json.dumps({"model": args.model, "k": args.k, "prompt_len": args.prompt_len,
+                      "max_tokens": args.max_tokens, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
