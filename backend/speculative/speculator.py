@@ -49,10 +49,12 @@ class Speculator:
         self.max_step_rows = max_step_rows  # a slot's logits and sampling rows: every drafted position takes one
         self._histories: dict[Request, TokenHistory] = {}
         self.proposed = self.accepted = self.steps = self.drafts = 0  # drafts: rows' drafted spans verified
+        self.accepted_per_position = [0] * num_tokens  # drafts kept at each position of a span
 
     def counts(self) -> dict:
         return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted,
-                "spec_steps": self.steps, "spec_drafts": self.drafts}
+                "spec_steps": self.steps, "spec_drafts": self.drafts,
+                "spec_accepted_per_position": list(self.accepted_per_position)}
 
     def propose(self, batch: ScheduledBatch) -> StepDrafts | None:
         """Drafts for the step's decode rows (their blocks taken); None when no row drafts. A step where any sampled
@@ -107,6 +109,8 @@ class Speculator:
                 self.drafts += 1
                 self.proposed += len(guess)
                 self.accepted += kept
+                for position in range(kept):
+                    self.accepted_per_position[position] += 1
                 req = rb.requests[row]
                 bm.release_tail(req, -(-(req.num_computed_tokens + kept) // bs))
                 rb.keep_drafts(row, kept)

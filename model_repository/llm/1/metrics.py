@@ -193,6 +193,57 @@ class _VllmSeries:
             item.flush()
 
 
+# engine.stats() key -> (Tandem's series, vLLM's series, description)
+_SPEC_TOTALS = {
+    "spec_drafts": ("tandem_spec_decode_drafts_total", "vllm:spec_decode_num_drafts_total",
+                    "Drafted spans verified (one per speculating row and step)"),
+    "spec_proposed_tokens": ("tandem_spec_decode_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
+                             "Draft tokens proposed and verified"),
+    "spec_accepted_tokens": ("tandem_spec_decode_accepted_tokens_total",
+                             "vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted"),
+}
+_SPEC_PER_POSITION = ("tandem_spec_decode_accepted_tokens_per_position_total",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft")
+
+
+class SpeculationMetrics:
+    """Turns the engine's running speculation totals (engine.stats()) into counter increments."""
+
+    def __init__(self, labels: dict[str, str], with_vllm: bool) -> None:
+        counter = pb_utils.MetricFamily.COUNTER
+        names = [(ours, theirs if with_vllm else None, text) for ours, theirs, text in (*_SPEC_TOTALS.values(),
+                                                                                          _SPEC_PER_POSITION)]
+        # a family dropped by Python is dropped by Triton, with its series: kept here
+        self._families = [[pb_utils.MetricFamily(name=n, description=text, kind=counter) for n in (ours, theirs) if n]
+                          for ours, theirs, text in names]
+        self._labels = labels
+        self._totals = {key: [f.Metric(labels=labels) for f in families]
+                        for key, families in zip(_SPEC_TOTALS, self._families)}
+        self._positions: list[list[Any]] = []
+        self._seen: dict[str, int] = {}
+        self._seen_positions: list[int] = []
+
+    def update(self, stats: dict[str, Any]) -> None:
+        """Add what each total grew by since the last update."""
+        for key, metrics in self._totals.items():
+            grown = int(stats.get(key, 0)) - self._seen.get(key, 0)
+            if grown > 0:
+                for metric in metrics:
+                    metric.increment(grown)
+                self._seen[key] = self._seen.get(key, 0) + grown
+        per_position = stats.get("spec_accepted_per_position") or []
+        while len(self._positions) < len(per_position):
+            labels = {**self._labels, "position": str(len(self._positions))}
+            self._positions.append([f.Metric(labels=labels) for f in self._families[-1]])
+            self._seen_positions.append(0)
+        for position, total in enumerate(per_position):
+            grown = int(total) - self._seen_positions[position]
+            if grown > 0:
+                for metric in self._positions[position]:
+                    metric.increment(grown)
+                self._seen_positions[position] = int(total)
+
+
 class ServingMetrics:
     """Latency distributions, token counters and engine gauges; updated from the sender thread only, except
     request_error() (any thread: see _CodeCounter). Counters and distributions reach Triton at flush(); gauges are
@@ -242,6 +293,8 @@ class ServingMetrics:
         gauges = ("running", "waiting", "kv_usage", "kv_used", "gpu_busy", "gpu_busy_uncertain", "healthy")
         self._gauges = {k: f[k].Metric(labels=labels) for k in gauges}
         self._preemptions_seen = 0
+        self._labels = labels
+        self._speculation: SpeculationMetrics | None = None  # made at the first stats of a speculating engine
 
     def request_finished(self, finish_reason: str | None, num_prompt_tokens: int, num_output_tokens: int = 0,
                          n: int = 1) -> None:
@@ -286,3 +339,7 @@ class ServingMetrics:
             if self.vllm is not None:
                 self.vllm.preemptions.increment(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
+        if "spec_drafts" in stats:
+            if self._speculation is None:
+                self._speculation = SpeculationMetrics(self._labels, with_vllm=self.vllm is not None)
+            self._speculation.update(stats)

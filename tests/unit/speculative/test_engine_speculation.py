@@ -130,6 +130,9 @@ def test_greedy_outputs_equal_and_drafts_are_kept(path, budget, seats):
     counts, _ = _equal_with_oracle(path, prompts, params, max_num_batched_tokens=budget, max_num_seqs=seats)
     assert counts["spec_steps"] > 0
     assert 0 < counts["spec_accepted_tokens"] < counts["spec_proposed_tokens"]
+    per_position = counts["spec_accepted_per_position"]  # a draft is kept only after every one before it
+    assert sum(per_position) == counts["spec_accepted_tokens"] and len(per_position) == 4
+    assert counts["spec_drafts"] >= per_position[0] and per_position == sorted(per_position, reverse=True)
 
 
 @pytest.mark.parametrize("k", [1, 3, 16])
