@@ -60,9 +60,12 @@ class EngineConfig:
     max_stop_string_length: int = 256
     cache_dir: str | None = None  # where the built-in model is converted to safetensors
     # speculative decoding: "" (off), ngram or suffix (backend/speculative); decode rows then feed up to
-    # num_speculative_tokens drafted tokens a step, which the model checks in the same forward (synchronous pipeline)
+    # num_speculative_tokens drafted tokens a step, which the model checks in the same forward (a drafted step reads
+    # the step before it first); speculative_adaptive: drafts only where and as far as they measurably pay
+    # (speculative/draft_policy.py), else every row drafts k at every step
     speculative_method: str = ""
     num_speculative_tokens: int = 4
+    speculative_adaptive: bool = True
     test_fault_every_n_steps: int = 0  # test hook: every n-th step raises (0 = off); never set in production
 
     @classmethod
@@ -101,17 +104,13 @@ class EngineConfig:
         return self
 
     def _validate_speculation(self) -> None:
-        """The proposer's name, the drafts a row may take, and the pipeline it needs."""
+        """The proposer's name and the drafts a row may take."""
         if self.speculative_method not in ("", *SPECULATIVE_METHODS):
             raise ValueError(f"speculative_method must be empty (off) or one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative_method!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        if self.speculative_method and self.async_pipeline:
-            # why: a row's next input depends on how many of its drafts were kept, known only once read back
-            raise ValueError("speculative decoding runs on the synchronous pipeline: leave async_pipeline unset "
-                             "or set it false")
 
     def _validate_sizes(self) -> None:
         """The block, cache, batch and queue sizes."""

@@ -187,4 +187,4 @@ def _speculator(config: EngineConfig, parts: EngineParts) -> Speculator | None:
     if not config.speculative_method:
         return None
     return Speculator(make_proposer(config.speculative_method), config.num_speculative_tokens, parts.block_manager,
-                      config.max_num_batched_tokens, parts.runner.layout.max_rows)
+                      config.max_num_batched_tokens, parts.runner.layout.max_rows, config.speculative_adaptive)

@@ -76,8 +76,9 @@ class EngineLoop:
 
     def _step(self) -> bool:
         """Schedule, pack and launch the next step, and complete the one before; False when there was nothing."""
-        if self.speculator is not None:
-            return self._step_speculative()
+        if self.speculator is not None and self.speculator.due(self.steps, len(self.scheduler.batch)):
+            return self._step_drafted()
+        began = time.perf_counter()
         tl = self.timeline
         started = tl.now()
         batch = self.scheduler.schedule()
@@ -96,35 +97,47 @@ class EngineLoop:
             self.steps += 1
         prev = self._inflight
         self._inflight = cur
+        emitted = 0
         if prev is not None:
             self._complete(prev, next_state=cur)
+            emitted = len(prev.sampled)
         if cur is not None and cur.sample_after_previous:  # its per-row host work needed the step before's tokens
             with tl.cpu_span("launch"):
                 self.runner.launch_sampling(cur, deferred=True)
         if not self.async_pipeline and cur is not None:
             self._inflight = None
             self._complete(cur, next_state=None)
+            emitted += len(cur.sampled)
         if batch is None and prev is None:
             time.sleep(0.001)  # nothing could be scheduled (cannot happen with valid requests); don't spin
+        if self.speculator is not None and batch is not None:
+            self.speculator.step_done(self.steps, batch.num_rows, False, emitted, time.perf_counter() - began)
         tl.next_step()
         self.refresh_stats()
         return batch is not None or prev is not None
 
-    def _step_speculative(self) -> bool:
-        """A step of the synchronous pipeline whose decode rows may carry drafts: scheduled, drafted, packed,
-        launched and completed before the next is packed (a row's next input depends on the drafts it kept)."""
+    def _step_drafted(self) -> bool:
+        """A step whose decode rows may carry drafts: the step in flight read first (a row's drafts follow its last
+        token), then this one scheduled, drafted, packed, launched and read before the next is packed (a row's next
+        input depends on the drafts it kept)."""
+        began = time.perf_counter()
+        prev, self._inflight, emitted = self._inflight, None, 0
+        if prev is not None:
+            self._complete(prev, next_state=None)
+            emitted = len(prev.sampled)
         tl = self.timeline
         started = tl.now()
         batch = self.scheduler.schedule()
         if batch is None:
-            time.sleep(0.001)
+            if prev is None:
+                time.sleep(0.001)
             tl.next_step()
             self.refresh_stats()
-            return False
+            return prev is not None
         tl.cpu_span_since("schedule", started)
         self._count_step_for_faults()
         with tl.cpu_span("pack"):
-            drafts = self.speculator.propose(batch)
+            drafts = self.speculator.propose(batch, self.steps)
             cur = self.runner.pack(batch, None)
         with tl.cpu_span("launch"):
             if drafts is None:
@@ -135,8 +148,11 @@ class EngineLoop:
         self.steps += 1
         if drafts is None:
             self._complete(cur, next_state=None)
+            emitted += len(cur.sampled)
         else:
-            self._complete_drafted(cur, drafts)
+            emitted += self._complete_drafted(cur, drafts)
+        self.speculator.step_done(self.steps, batch.num_rows, drafts is not None, emitted,
+                                  time.perf_counter() - began)
         tl.next_step()
         self.refresh_stats()
         return True
@@ -147,17 +163,19 @@ class EngineLoop:
         if self._fault_every and self._fault_clock % self._fault_every == 0:
             raise RuntimeError(f"injected fault at step {self._fault_clock} (test hook)")
 
-    def _complete_drafted(self, st: StepState, drafts: StepDrafts) -> None:
-        self.gate.open()
+    def _complete_drafted(self, st: StepState, drafts: StepDrafts) -> int:
+        """Read and apply a drafted step; returns the tokens its rows emitted."""
+        self.gate.open()  # why: blocked on the GPU next, helper threads may have the GIL meanwhile
         try:
             result = self._drafted.read(st, drafts)
         finally:
             self.gate.close()
         with self.timeline.cpu_span("update"):
-            events, last = self._drafted_updates.apply(st, result, drafts, self._finish)
+            events, last, emitted = self._drafted_updates.apply(st, result, drafts, self._finish)
             self._drafted.leave_last_tokens(st, last)
             if events:
                 self.outputs.push(events)
+        return emitted
 
     def _complete(self, st: StepState, next_state: StepState | None) -> None:
         self.gate.open()  # why: blocked on the GPU next, helper threads may have the GIL meanwhile

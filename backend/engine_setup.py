@@ -98,7 +98,6 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
                          step_ops=step_ops)
     runner.prepare(measure_graph_idle=config.graph_idle_measure)
     async_pipeline = config.async_pipeline if config.async_pipeline is not None else device.type == "cuda"
-    async_pipeline = async_pipeline and not config.speculative_method  # drafts need the step before read
     log.info("engine: %s on %s (%s), %d KV blocks of %d tokens (%s), max_model_len %d, attention %s, async %s",
              path, device, dtype, num_blocks, config.block_size, kv_dtype, max_len, backend, async_pipeline)
     return EngineParts(device, dtype, model, tokenizer, max_len, block_manager, scheduler, runner, timeline,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from backend.core.kv_cache import BlockManager
 from backend.core.scheduler import ScheduledBatch
 from backend.request import Request, penalised
+from backend.speculative.draft_policy import DraftPolicy
 from backend.speculative.proposer import Proposer
 from backend.speculative.token_history import TokenHistory
 
@@ -41,9 +42,11 @@ class Speculator:
     count and blocks once the step is read, and keeps each request's token history for its proposer."""
 
     def __init__(self, proposer: Proposer, num_tokens: int, block_manager: BlockManager, max_step_tokens: int,
-                 max_step_rows: int) -> None:
+                 max_step_rows: int, adaptive: bool = True) -> None:
+        """adaptive: a DraftPolicy decides which steps and rows draft, and how much; else every row drafts k."""
         self.proposer = proposer
         self.k = num_tokens
+        self.policy = DraftPolicy(num_tokens) if adaptive else None
         self.block_manager = block_manager
         self.max_step_tokens = max_step_tokens  # a slot's token buffers
         self.max_step_rows = max_step_rows  # a slot's logits and sampling rows: every drafted position takes one
@@ -56,7 +59,15 @@ class Speculator:
                 "spec_steps": self.steps, "spec_drafts": self.drafts,
                 "spec_accepted_per_position": list(self.accepted_per_position)}
 
-    def propose(self, batch: ScheduledBatch) -> StepDrafts | None:
+    def due(self, step: int, num_rows: int) -> bool:
+        """Whether step, of about num_rows decode rows, may draft (its step before must be read first)."""
+        return self.policy is None or self.policy.due(step, num_rows)
+
+    def step_done(self, step: int, num_rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if self.policy is not None:
+            self.policy.step_done(step, num_rows, drafted, tokens, seconds)
+
+    def propose(self, batch: ScheduledBatch, step: int = 0) -> StepDrafts | None:
         """Drafts for the step's decode rows (their blocks taken); None when no row drafts. A step where any sampled
         row has penalties or a grammar drafts nothing: the expanded sampler handles neither (verify.expand_rows)."""
         n = batch.num_rows
@@ -76,10 +87,16 @@ class Speculator:
             k = min(self.k, tokens_left, rows_left, int(rb.token_cap[row] - rb.computed[row]) - 1)
             if k <= 0 or not req.may_speculate:
                 continue
+            if self.policy is not None:
+                k = self.policy.draft_length(req, step, k)
+                if not k:
+                    continue
             guess = self.proposer.propose(self._history(req), k)[:k]
             room = len(req.block_ids) * bs - req.num_computed_tokens + bm.num_free_blocks * bs
             guess = guess[:max(0, room)]
             if not guess:
+                if self.policy is not None:
+                    self.policy.verified(req, 0, 0)  # nothing to propose: as a miss, so the row waits for a probe
                 continue
             held = len(req.block_ids)
             bm.allocate_slots(req, len(guess))
@@ -112,12 +129,16 @@ class Speculator:
                 for position in range(kept):
                     self.accepted_per_position[position] += 1
                 req = rb.requests[row]
+                if self.policy is not None:
+                    self.policy.verified(req, len(guess), kept)
                 bm.release_tail(req, -(-(req.num_computed_tokens + kept) // bs))
                 rb.keep_drafts(row, kept)
         return spans
 
     def finished(self, req: Request) -> None:
         """req ended: its history (prompt and outputs) goes to the proposer, and is forgotten here."""
+        if self.policy is not None:
+            self.policy.forget(req)
         history = self._histories.pop(req, None)
         if history is None:
             if not req.output_token_ids:
@@ -128,6 +149,8 @@ class Speculator:
 
     def forget_all(self) -> None:
         self._histories.clear()
+        if self.policy is not None:
+            self.policy.forget_all()
 
     def _history(self, req: Request) -> TokenHistory:
         history = self._histories.get(req)

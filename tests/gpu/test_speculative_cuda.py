@@ -1,13 +1,14 @@
 """Speculative decoding on CUDA: drafted steps (eager, several tokens a row) between graph-captured one-token steps
-give the outputs of the engine without speculation (greedy and seeded sampling, float32), and on the random 1B
-shape in bf16 the n-gram proposer drafts, keeps some drafts and gives every KV block back."""
+give the outputs of the engine without speculation (greedy and seeded sampling, float32; the async pipeline with the
+draft policy too), and on the random 1B shape in bf16 the n-gram proposer drafts and gives every KV block back."""
 from __future__ import annotations
 
 import pytest
 
 from backend import Engine, EngineConfig, SamplingParams
 from tests.tiny_models import build_tiny, kv_blocks_used_after_settling, random_prompts
-from tests.unit.speculative.test_engine_speculation import _equal_with_oracle
+from tests.unit.speculative.test_adaptive_speculation import _run as _run_async
+from tests.unit.speculative.test_engine_speculation import OracleProposer, _equal_with_oracle, _reference, _summary
 
 pytestmark = pytest.mark.gpu
 CUDA = dict(device="cuda", dtype="float32")
@@ -30,6 +31,17 @@ def test_seeded_sampling_and_logprobs_equal_on_cuda(path):
     params = [SamplingParams(max_tokens=18, temperature=0.8, top_p=0.9, top_k=40, seed=s, logprobs=2,
                              ignore_eos=True) for s in (1, 2, 3, 4)]
     counts, _ = _equal_with_oracle(path, prompts, params, num_speculative_tokens=3, **CUDA)
+    assert counts["spec_accepted_tokens"] > 0
+
+
+def test_async_pipeline_with_the_draft_policy_on_cuda(path):
+    """Drafted steps between carried-over graph steps (the step in flight read first): outputs unchanged."""
+    prompts = random_prompts([3, 30, 9, 57, 1, 16], seed=21)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 33, 7, 26, 3, 45)]
+    want, _, _ = _run_async(path, prompts, params, **CUDA)
+    oracle = OracleProposer(_reference(path, prompts, params))
+    got, counts, _ = _run_async(path, prompts, params, oracle, **CUDA)
+    assert _summary(got) == _summary(want)
     assert counts["spec_accepted_tokens"] > 0
 
 

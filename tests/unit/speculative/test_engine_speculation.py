@@ -12,7 +12,8 @@ from backend import Engine, EngineConfig, SamplingParams
 from backend.speculative.proposer import Proposer
 from tests.tiny_models import VOCAB, build_tiny, kv_blocks_used_after_settling, random_prompts, tiny_engine
 
-SETTINGS = dict(num_kv_blocks=96, max_num_batched_tokens=32)
+# every row drafts at every step (the policy off): these cases check verification, not when drafting pays
+SETTINGS = dict(num_kv_blocks=96, max_num_batched_tokens=32, speculative_adaptive=False)
 
 
 class OracleProposer(Proposer):
@@ -78,9 +79,9 @@ def _logprob_values(outs):
                      for v in (e["logprob"], *(t["logprob"] for t in e.get("top_logprobs", [])))])
 
 
-def _reference(path, prompts, params):
-    """Each prompt + its free-running continuation (no stops, 40 tokens), for the oracle."""
-    free = [SamplingParams(**{**_plain(p), "max_tokens": 40, "ignore_eos": True, "stop": [], "stop_token_ids": [],
+def _reference(path, prompts, params, max_tokens: int = 40):
+    """Each prompt + its free-running continuation (no stops, max_tokens tokens), for the oracle."""
+    free = [SamplingParams(**{**_plain(p), "max_tokens": max_tokens, "ignore_eos": True, "stop": [], "stop_token_ids": [],
                               "min_tokens": 0, "logprobs": None}) for p in params]
     outs, _, _ = _run(path, prompts, free)
     n = [p.n for p in params]
@@ -113,12 +114,15 @@ def test_config_validates_speculative_settings():
     for k in (0, 17, "4"):
         with pytest.raises(ValueError, match="num_speculative_tokens"):
             EngineConfig(speculative_method="ngram", num_speculative_tokens=k).validate()
-    with pytest.raises(ValueError, match="async_pipeline"):
-        EngineConfig(speculative_method="ngram", async_pipeline=True).validate()
+    EngineConfig(speculative_method="ngram", async_pipeline=True).validate()  # drafted steps read the one before
     config = EngineConfig.from_dict({"speculative_method": "suffix", "num_speculative_tokens": "6"}).validate()
     assert (config.speculative_method, config.num_speculative_tokens) == ("suffix", 6)
     assert EngineConfig.from_dict({"speculative_method": ""}).validate().speculative_method == ""
     assert EngineConfig().speculative_method == "" and EngineConfig().num_speculative_tokens == 4
+    assert EngineConfig().speculative_adaptive is True
+    assert EngineConfig.from_dict({"speculative_adaptive": "false"}).speculative_adaptive is False
+    with pytest.raises(ValueError, match="speculative_adaptive"):
+        EngineConfig.from_dict({"speculative_adaptive": "flase"})
 
 
 @pytest.mark.parametrize("budget,seats", [(32, 16), (12, 8)])

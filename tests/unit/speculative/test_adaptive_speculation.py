@@ -1,0 +1,81 @@
+"""Speculation with the draft policy on the asynchronous pipeline: drafted steps (the step in flight read first)
+between plain carried-over steps keep outputs equal to the engine without speculation; drafts that always fail
+soon stop being made; drafts that are kept go on."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backend import SamplingParams
+from backend.speculative.proposer import Proposer
+from tests.tiny_models import VOCAB, kv_blocks_used_after_settling, random_prompts, tiny_engine
+from tests.unit.speculative.test_engine_speculation import (OracleProposer, _logprob_values, _reference, _summary,
+                                                            path)  # noqa: F401 (path: the tiny model fixture)
+
+SETTINGS = dict(num_kv_blocks=96, max_num_batched_tokens=64)
+
+
+class ReplayProposer(Proposer):
+    """Proposes what followed the history in reference sequences, every token right or (wrong=True) every one
+    moved by one, so no greedy row makes it."""
+
+    name = "replay"
+
+    def __init__(self, sequences, wrong: bool) -> None:
+        self.sequences = [np.asarray(s, dtype=np.int64) for s in sequences]
+        self.wrong = wrong
+
+    def propose(self, history, k):
+        h = history.tokens
+        for seq in self.sequences:
+            if len(seq) > len(h) and np.array_equal(seq[:len(h)], h):
+                return [(int(t) + self.wrong) % VOCAB for t in seq[len(h):len(h) + k]]
+        return []
+
+
+def _run(path, prompts, params, proposer=None, **settings):
+    engine = tiny_engine(path, True, speculative_method="ngram" if proposer else "", **{**SETTINGS, **settings})
+    try:
+        if proposer is not None:
+            engine.speculator.proposer = proposer
+        outs = engine.generate(prompts, params)
+        assert kv_blocks_used_after_settling(engine) == 0
+        counts = engine.speculator.counts() if proposer is not None else None
+        return outs, counts, engine.stats()["steps"]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("decoding", ["greedy", "seeded"])
+def test_outputs_equal_on_the_async_pipeline_with_the_policy(path, decoding):
+    prompts = random_prompts([3, 30, 9, 57, 1, 16], seed=21)
+    sampled = dict(temperature=0.8, top_p=0.9, logprobs=2) if decoding == "seeded" else dict(temperature=0.0)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, seed=i, **sampled)
+              for i, n in enumerate((40, 33, 7, 26, 3, 45))]
+    want, _, _ = _run(path, prompts, params)
+    got, counts, _ = _run(path, prompts, params, OracleProposer(_reference(path, prompts, params)))
+    assert _summary(got) == _summary(want)
+    assert counts["spec_accepted_tokens"] > 0 and counts["spec_steps"] > 0
+    if decoding == "seeded":
+        np.testing.assert_allclose(_logprob_values(got), _logprob_values(want), atol=1e-5, rtol=0)
+
+
+def test_drafts_that_always_fail_soon_stop(path):
+    """Four rows, 300 tokens each, every draft wrong: after the first probes, drafted steps come once in 64."""
+    prompts = random_prompts([5, 8, 11, 14], seed=22)
+    params = [SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)] * 4
+    proposer = ReplayProposer(_reference(path, prompts, params, max_tokens=300), wrong=True)
+    got, counts, steps = _run(path, prompts, params, proposer, max_model_len=320, num_kv_blocks=400)
+    assert [len(o.token_ids) for o in got] == [300] * 4
+    assert counts["spec_accepted_tokens"] == 0
+    assert 0 < counts["spec_steps"] <= 300 // 64 + 8, (counts, steps)
+
+
+def test_drafts_that_are_kept_go_on(path):
+    prompts = random_prompts([5, 8], seed=23)
+    params = [SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)] * 2
+    proposer = ReplayProposer(_reference(path, prompts, params, max_tokens=120), wrong=False)
+    got, counts, steps = _run(path, prompts, params, proposer, max_model_len=160)
+    assert [len(o.token_ids) for o in got] == [120] * 2
+    assert counts["spec_accepted_tokens"] == counts["spec_proposed_tokens"] > 0
+    assert steps < 120 // 2  # most steps emit several tokens a row

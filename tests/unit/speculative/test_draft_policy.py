@@ -1,0 +1,100 @@
+"""DraftPolicy: rows draft while their drafts are kept, as many tokens as are likely kept; rows (and new requests)
+whose drafts fail wait for aligned probes, so they cost one drafted step in MAX_BACKOFF; a batch size whose drafted
+steps give fewer tokens a second than plain ones stops drafting, and its plain figure is renewed when stale."""
+from __future__ import annotations
+
+from backend.speculative.draft_policy import CONTROL_RUN, MAX_BACKOFF, NEW_ROW_BACKOFF, STALE, DraftPolicy
+
+
+def _drafted_steps(policy: DraftPolicy, rows: list[str], steps: range, keep: float) -> list[int]:
+    """Runs steps where every row that may draft proposes 4 and keeps round(keep * 4); the steps that drafted."""
+    drafted = []
+    for step in steps:
+        if not policy.due(step, len(rows)):
+            continue
+        lengths = [policy.draft_length(r, step, 4) for r in rows]
+        if any(lengths):
+            drafted.append(step)
+        for r, k in zip(rows, lengths):
+            if k:
+                policy.verified(r, k, round(keep * k))
+    return drafted
+
+
+def test_rows_whose_drafts_always_fail_probe_once_in_max_backoff_steps():
+    policy = DraftPolicy(4)
+    rows = [f"r{i}" for i in range(32)]
+    drafted = _drafted_steps(policy, rows, range(1, 4097), keep=0.0)
+    late = [s for s in drafted if s > 512]
+    assert late == [s for s in range(513, 4097) if s % MAX_BACKOFF == 0]  # aligned: all rows probe together
+    assert len(drafted) <= 4096 // MAX_BACKOFF + 16
+
+
+def test_rows_that_keep_drafts_draft_every_step_and_as_far_as_worth():
+    policy = DraftPolicy(8)
+    assert policy.draft_length("new", 1, 8) == 3  # acceptance 0.5 assumed: a 4th draft is kept 1 time in 16
+    for step in range(1, 30):
+        policy.verified("good", 8, 8)
+    assert policy.draft_length("good", 31, 8) == 8 and policy.draft_length("good", 31, 2) == 2
+    for step in range(1, 30):
+        policy.verified("half", 4, 2)
+    assert policy.draft_length("half", 31, 8) == 3
+    assert policy.due(31, 2)
+
+
+def test_a_row_recovers_once_its_drafts_are_kept_again():
+    policy = DraftPolicy(4)
+    for _ in range(8):
+        policy.verified("r", 4, 0)
+    assert policy.draft_length("r", 3, 4) == 0 and not policy.due(3, 1)
+    probe = MAX_BACKOFF * 5
+    assert policy.draft_length("r", probe, 4) >= 1
+    for _ in range(6):
+        policy.verified("r", 4, 4)
+    assert policy.draft_length("r", probe + 1, 4) == 4 and policy.due(probe + 1, 1)
+
+
+def test_a_proposer_with_nothing_counts_as_a_miss():
+    policy = DraftPolicy(4)
+    for _ in range(3):
+        policy.verified("r", 0, 0)
+    assert policy.draft_length("r", 9, 4) == 0
+
+
+def test_new_requests_start_waiting_where_requests_before_failed():
+    policy = DraftPolicy(4)
+    for i in range(20):
+        policy.verified(f"old{i}", 4, 0)
+        policy.forget(f"old{i}")
+    assert not policy.due(NEW_ROW_BACKOFF + 1, 3)  # three new rows, none tracked yet: they wait too
+    assert policy.due(NEW_ROW_BACKOFF * 2, 3)
+    assert policy.draft_length("new", NEW_ROW_BACKOFF + 1, 4) == 0
+    assert policy.draft_length("new", NEW_ROW_BACKOFF * 3, 4) >= 1
+
+
+def test_a_batch_size_where_drafted_steps_lose_stops_drafting_and_renews_its_plain_figure():
+    policy = DraftPolicy(4)
+    for _ in range(20):
+        policy.verified("r", 4, 4)
+    # batch 64: plain steps 64 tokens in 10 ms; drafted ones 100 tokens in 25 ms (4,000 tok/s against 6,400)
+    step = 1
+    for step in range(1, 4):
+        policy.step_done(step, 64, False, 64, 0.010)
+    assert policy.due(4, 64)
+    for step in range(4, 8):
+        policy.step_done(step, 64, True, 100, 0.025)
+    allowed = [s for s in range(8, 8 + 4 * MAX_BACKOFF) if policy.due(s, 64)]
+    assert len(allowed) < 4 * MAX_BACKOFF // 4  # mostly plain now
+    assert policy.due(8, 8)  # another batch size is judged apart
+    # plain figure stale: the next CONTROL_RUN steps run plain, even at a probe step
+    later = 3 + STALE + MAX_BACKOFF - (3 + STALE) % MAX_BACKOFF
+    assert [policy.due(s, 64) for s in range(later, later + CONTROL_RUN)] == [False] * CONTROL_RUN
+
+
+def test_the_first_plain_step_after_a_drafted_one_is_not_measured():
+    policy = DraftPolicy(4)
+    policy.step_done(1, 16, True, 40, 0.010)  # 4,000 tok/s
+    policy.step_done(2, 16, False, 16, 0.0001)  # right after a drafted step (the pipeline refilling): no figure
+    policy.step_done(3, 16, False, 16, 0.010)  # steady: 1,600 tok/s
+    policy.step_done(4, 16, True, 40, 0.010)
+    assert policy.due(5, 16)  # drafted steps give more: drafting stays on
