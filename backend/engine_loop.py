@@ -76,7 +76,8 @@ class EngineLoop:
 
     def _step(self) -> bool:
         """Schedule, pack and launch the next step, and complete the one before; False when there was nothing."""
-        if self.speculator is not None and self.speculator.due(self.steps, len(self.scheduler.batch)):
+        rb = self.scheduler.batch
+        if self.speculator is not None and self.speculator.due(self.steps, len(rb), rb.draftable_rows):
             return self._step_drafted()
         began = time.perf_counter()
         tl = self.timeline

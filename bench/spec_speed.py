@@ -9,8 +9,8 @@ verify step's rounding makes the model choose otherwise than in the recording, d
 measured acceptance is printed beside the alpha asked for.
 
 For each batch size, in one process with one copy of the weights: the default engine (asynchronous pipeline, no
-speculation), the speculating engine with every request opting out (its synchronous loop alone), and the
-speculating engine at each alpha. Prints a table and one JSON line; tok/s counts output tokens over the wall time,
+speculation), the speculating engine with every request opting out, the speculating engine at each alpha with the
+draft policy (a fresh one per run) and, to show what verifying costs, with every row drafting k at every step. Prints a table and one JSON line; tok/s counts output tokens over the wall time,
 "kept" the share of drafted tokens accepted, "tokens/draft" the mean acceptance length (tokens a drafting row emits
 in a verify step: its accepted drafts and the model's own token after them)."""
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from backend import Engine, EngineConfig, SamplingParams
+from backend.speculative.draft_policy import DraftPolicy
 from backend.speculative.proposer import Proposer
 from backend.speculative.token_history import TokenHistory
 
@@ -61,15 +62,18 @@ def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int) -> list
     rng = random.Random(batch)
     prompts = [[rng.randrange(3, min(vocab, 30000)) for _ in range(args.prompt_len)] for _ in range(batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    plain.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm
+    for engine in (plain, spec):  # warm: the first steps of a batch size pay for one-off set-up
+        engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, speculate=False))
     outs, seconds = timed_generate(plain, prompts, params)
     recorded = {tuple(p): list(o.token_ids) for p, o in zip(prompts, outs)}
     tokens = batch * args.max_tokens
     rows = [dict(batch=batch, mode="async, no speculation", alpha=None, tok_per_s=tokens / seconds)]
     opt_out = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, speculate=False)
     _, seconds = timed_generate(spec, prompts, opt_out)
-    rows.append(dict(batch=batch, mode="sync, no speculation", alpha=None, tok_per_s=tokens / seconds))
-    for alpha in args.alphas:
+    rows.append(dict(batch=batch, mode="speculating, opted out", alpha=None, tok_per_s=tokens / seconds))
+    runs = [(alpha, True) for alpha in args.alphas] + [(alpha, False) for alpha in args.every_step_alphas]
+    for alpha, adaptive in runs:
+        spec.speculator.policy = DraftPolicy(args.k) if adaptive else None  # a fresh policy: nothing learnt
         spec.speculator.proposer = OracleProposer(recorded, args.prompt_len, alpha, vocab, seed=batch)
         before = spec.speculator.counts()
         got, seconds = timed_generate(spec, prompts, params)
@@ -78,7 +82,8 @@ def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int) -> list
                                             ("spec_proposed_tokens", "spec_accepted_tokens", "spec_steps",
                                              "spec_drafts"))
         same = np.mean([g.token_ids == recorded[tuple(p)] for g, p in zip(got, prompts)])
-        rows.append(dict(batch=batch, mode=f"sync, oracle k={args.k}", alpha=alpha, tok_per_s=tokens / seconds,
+        mode = f"oracle k={args.k}, " + ("policy" if adaptive else "every step")
+        rows.append(dict(batch=batch, mode=mode, alpha=alpha, tok_per_s=tokens / seconds,
                          accepted_share=accepted / proposed if proposed else 0.0,
                          mean_acceptance_length=1 + accepted / spans if spans else 1.0, drafted_steps=steps,
                          outputs_as_recorded=float(same)))
@@ -94,18 +99,21 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batches", default="1,8,32,128")
-    parser.add_argument("--alphas", default="0,0.5,0.8,1.0")
+    parser.add_argument("--alphas", default="0,0.5,0.8,1.0", help="with the draft policy")
+    parser.add_argument("--every-step-alphas", default="0,1.0",
+                        help="with every row drafting k at every step (the policy off); empty for none")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args(argv)
-    args.alphas = [float(a) for a in args.alphas.split(",")]
+    args.alphas = [float(a) for a in args.alphas.split(",") if a]
+    args.every_step_alphas = [float(a) for a in args.every_step_alphas.split(",") if a]
     batches = [int(b) for b in args.batches.split(",")]
     blocks = -(-max(batches) * (args.prompt_len + args.max_tokens + args.k + 1) // 16) + max(batches) + 8
     common = dict(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
                   max_model_len=args.prompt_len + args.max_tokens + args.k + 8, num_kv_blocks=blocks)
     plain = Engine(EngineConfig(**common))
-    spec = Engine(EngineConfig(**common, async_pipeline=False, speculative_method="ngram",
+    spec = Engine(EngineConfig(**common, speculative_method="ngram",
                                num_speculative_tokens=args.k), model=plain.parts.model, tokenizer=plain.tokenizer)
     vocab = plain.spec.vocab_size
     rows = []
@@ -115,13 +123,13 @@ def main(argv=None) -> int:
     finally:
         spec.shutdown()
         plain.shutdown()
-    print(f"{'batch':>5}  {'mode':<24} {'alpha':>5}  {'tok/s':>9}  {'÷ async':>7}  {'kept':>5}  {'tokens/draft':>12}  "
+    print(f"{'batch':>5}  {'mode':<26} {'alpha':>5}  {'tok/s':>9}  {'÷ async':>7}  {'kept':>5}  {'tokens/draft':>12}  "
           f"{'as recorded':>11}")
     for r in rows:
         alpha = "" if r["alpha"] is None else f"{r['alpha']:.2f}"
         extra = (f"{r['accepted_share']:>5.2f}  {r['mean_acceptance_length']:>12.2f}  {r['outputs_as_recorded']:>11.2f}"
                  if r["alpha"] is not None else "")
-        print(f"{r['batch']:>5}  {r['mode']:<24} {alpha:>5}  {r['tok_per_s']:>9.1f}  {r['vs_async']:>7.3f}  {extra}")
+        print(f"{r['batch']:>5}  {r['mode']:<26} {alpha:>5}  {r['tok_per_s']:>9.1f}  {r['vs_async']:>7.3f}  {extra}")
     print(json.dumps({"model": args.model, "k": args.k, "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "rows": rows}))
     return 0

@@ -23,7 +23,7 @@ from itertools import compress, count
 
 import numpy as np
 
-from backend.request import Request
+from backend.request import Request, penalised
 
 _KEPT_CHANGES = 8  # row changes remembered (RunningBatch.changes): a step's rows change a few times at most
 _SERIALS = count()  # each running batch's number, so state kept about one (a slot's block tables) names it
@@ -120,6 +120,7 @@ class RunningBatch:
         self._stop_counts: Counter = Counter()
         self.stop_ids: frozenset = frozenset()
         self._not_plain = self._editing = self._constrained = 0
+        self._may_draft = self._stops_drafts = 0  # rows that may speculate; rows whose step drafts nothing
         # rows whose every token the update checks: they report logprobs or advance a grammar's matcher
         self._checked: set[Request] = set()
         self._index_rows()
@@ -146,6 +147,12 @@ class RunningBatch:
     def any_constrained(self) -> bool:
         """Some row follows a grammar (structured outputs): its step's sampling needs a token mask."""
         return bool(self._constrained)
+
+    @property
+    def draftable_rows(self) -> int:
+        """Rows that may take drafts at the next step: none where a row's sampling cannot be expanded over drafts
+        (penalties, a grammar: the whole step then drafts nothing)."""
+        return 0 if self._stops_drafts else self._may_draft
 
     def _columns(self, reqs: list[Request], src_rows) -> np.ndarray:
         """The per-row values for reqs, read from the requests themselves: (len(_INTS), rows) ints."""
@@ -261,6 +268,8 @@ class RunningBatch:
         self._not_plain += sign * (not req.plain_greedy)
         self._editing += sign * req.edits_logits
         self._constrained += sign * (req.grammar is not None)
+        self._may_draft += sign * req.may_speculate
+        self._stops_drafts += sign * (req.grammar is not None or penalised(req.params))
         if req.params.logprobs is not None or req.grammar is not None:
             if sign > 0:
                 self._checked.add(req)

@@ -56,11 +56,13 @@ class DraftPolicy:
         self._acceptance = FIRST_ACCEPTANCE  # over every request's checked drafts: where new requests start
         self._last_plain = False  # the step before was a plain one
 
-    def due(self, step: int, num_rows: int) -> bool:
-        """Whether a step of num_rows decode rows may hold drafts (then the step before must be read first)."""
-        if not num_rows or not self._bucket_allows(step, num_rows):
+    def due(self, step: int, num_rows: int, draftable_rows: int | None = None) -> bool:
+        """Whether a step of num_rows decode rows (draftable_rows of them may draft; default all) may hold drafts
+        (then the step before must be read first)."""
+        draftable = num_rows if draftable_rows is None else draftable_rows
+        if not draftable or not self._bucket_allows(step, num_rows):
             return False
-        new_rows = len(self._rows) < num_rows and (self._acceptance >= MIN_ACCEPTANCE or step % NEW_ROW_BACKOFF == 0)
+        new_rows = len(self._rows) < draftable and (self._acceptance >= MIN_ACCEPTANCE or step % NEW_ROW_BACKOFF == 0)
         return new_rows or self._drafting > 0 or any(step % b == 0 for b in self._waiting)
 
     def draft_length(self, req: object, step: int, limit: int) -> int:

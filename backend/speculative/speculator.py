@@ -59,9 +59,12 @@ class Speculator:
                 "spec_steps": self.steps, "spec_drafts": self.drafts,
                 "spec_accepted_per_position": list(self.accepted_per_position)}
 
-    def due(self, step: int, num_rows: int) -> bool:
-        """Whether step, of about num_rows decode rows, may draft (its step before must be read first)."""
-        return self.policy is None or self.policy.due(step, num_rows)
+    def due(self, step: int, num_rows: int, draftable_rows: int) -> bool:
+        """Whether step, of about num_rows decode rows of which draftable_rows may draft, holds drafts (then the
+        step before it must be read first)."""
+        if not draftable_rows:
+            return False
+        return self.policy is None or self.policy.due(step, num_rows, draftable_rows)
 
     def step_done(self, step: int, num_rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         if self.policy is not None:

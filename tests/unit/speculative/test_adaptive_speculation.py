@@ -79,3 +79,20 @@ def test_drafts_that_are_kept_go_on(path):
     assert [len(o.token_ids) for o in got] == [120] * 2
     assert counts["spec_accepted_tokens"] == counts["spec_proposed_tokens"] > 0
     assert steps < 120 // 2  # most steps emit several tokens a row
+
+
+@pytest.mark.parametrize("extra", [dict(speculate=False), dict(repetition_penalty=1.2)])
+def test_rows_that_cannot_draft_keep_the_async_pipeline(path, extra):
+    """No row may draft (opted out, or a penalty that stops its step's drafts): no step reads the one before first."""
+    prompts = random_prompts([5, 8], seed=24)
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, **extra)] * 2
+    want, _, _ = _run(path, prompts, params)
+    engine = tiny_engine(path, True, speculative_method="ngram", **SETTINGS)
+    try:
+        entered, drafted = [], engine.loop._step_drafted
+        engine.loop._step_drafted = lambda: entered.append(1) or drafted()
+        got = engine.generate(prompts, params)
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert not entered
