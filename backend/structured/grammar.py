@@ -217,14 +217,14 @@ def close_objects(schema: Any) -> Any:
     return closed
 
 
-def _lark(text: str) -> str:
-    """A grammar as Lark: GBNF (rules written "name ::= ...") converted, Lark as is."""
+def _lark(text: str, name: str = "structured_outputs.grammar") -> str:
+    """A grammar as Lark: GBNF (rules written "name ::= ...") converted, Lark as is; name: the field, for errors."""
     if not _GBNF_RULE.search(text):
         return text
     try:
         return gbnf_to_lark(text)
     except Exception as exc:  # noqa: BLE001 - the converter raises assorted types, each a fault of the grammar
-        raise ValueError(f"structured_outputs.grammar is not valid GBNF: {exc}") from None
+        raise ValueError(f"{name} is not valid GBNF: {exc}") from None
 
 
 def _structural_tag_grammar(tag: dict, spec: StructuredOutputs) -> str:
@@ -249,12 +249,16 @@ def _struct_tag(item: Any, triggers: list[str], spec: StructuredOutputs) -> llgu
     if trigger is None:
         raise ValueError(f"structured_outputs.structural_tag: begin {begin!r} starts with none of the triggers "
                          f"{triggers}")
-    schema = _schema(item["schema"], spec)
-    # the segment's schema is compiled inside the tag grammar: the JSON options travel in the schema itself, and
-    # options the schema sets for itself win, as they do for a json constraint
+    return llguidance.StructTag(trigger=trigger, begin=begin, grammar=_tag_schema(item["schema"], spec),
+                                end=item["end"])
+
+
+def _tag_schema(schema: dict | bool, spec: StructuredOutputs) -> dict:
+    """A schema to compile inside a tag grammar: the JSON options travel in the schema itself, and options the
+    schema sets for itself win, as they do for a json constraint."""
+    schema = _schema(schema, spec)
     own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
-    schema = {**schema, "x-guidance": {**_json_options(spec), **own}}
-    return llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=item["end"])
+    return {**schema, "x-guidance": {**_json_options(spec), **own}}
 
 
 class TokenMasker:
