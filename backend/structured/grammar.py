@@ -4,9 +4,10 @@ GrammarCompiler turns a StructuredOutputs into a CompiledGrammar (cached by the 
 gets its own GrammarMatcher from it; before each sampling step TokenMasker fills one bitmask row per sequence in one
 batched call, and apply_token_bitmask sets the logits of the tokens a row may not take to -inf.
 
-EOS is allowed only where the grammar may end. structural_tag takes the form with "triggers" and "structures"
-(each {"begin", "schema", "end"}): free text in which a trigger starts a tagged segment whose body follows the
-schema; other structural-tag forms are refused with a ValueError.
+EOS is allowed only where the grammar may end. structural_tag takes both of vLLM's forms: the older one with
+"triggers" and "structures" (each {"begin", "schema", "end"}): free text in which a trigger starts a tagged segment
+whose body follows the schema; and the newer {"type": "structural_tag", "format": {...}}, xgrammar's tree of format
+objects, translated by backend/structured/structural_tag.py.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from backend.structured.spec import StructuredOutputs
+from backend.structured.structural_tag import Leaves, structural_tag_grammar
 
 MAX_ERROR_CHARS = 2000  # llguidance's messages can carry a dump of the parser state; the first part names the fault
 BITS = 32  # tokens per bitmask word
@@ -35,6 +37,7 @@ _SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "contains", "not", "if
                "oneOf", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
 _STRUCTURAL_TAG_FORM = ('{"triggers": ["<fn"], "structures": [{"begin": "<fn=name>", "schema": {...}, '
                         '"end": "</fn>"}]}')
+_STRUCTURAL_TAG_FORMAT_FORM = '{"type": "structural_tag", "format": {"type": "triggered_tags", ...}}'
 
 
 class GrammarMatcher:
@@ -167,7 +170,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
     if kind == "grammar":
         return llguidance.LLMatcher.grammar_from_lark(_lark(spec.value))
     if kind == "structural_tag":
-        return _structural_tag_grammar(json.loads(spec.value), spec)
+        return _either_structural_tag(json.loads(spec.value), spec)
     raise ValueError(f"unknown structured output kind {kind!r}")
 
 
@@ -227,13 +230,21 @@ def _lark(text: str, name: str = "structured_outputs.grammar") -> str:
         raise ValueError(f"{name} is not valid GBNF: {exc}") from None
 
 
+def _either_structural_tag(tag: dict, spec: StructuredOutputs) -> str:
+    """A structural tag in either form: the newer one with a format, or the older one with triggers and structures."""
+    if "format" not in tag:
+        return _structural_tag_grammar(tag, spec)
+    return structural_tag_grammar(tag, Leaves(schema=lambda schema: _tag_schema(schema, spec), lark=_lark))
+
+
 def _structural_tag_grammar(tag: dict, spec: StructuredOutputs) -> str:
     """Free text in which each trigger opens a segment: its begin, a JSON value following its schema, its end."""
     triggers, structures = tag.get("triggers"), tag.get("structures")
     if not (isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)
             and isinstance(structures, list) and structures):
         raise ValueError("structured_outputs.structural_tag is not supported by this server in this form: give "
-                         f"non-empty triggers and structures, as {_STRUCTURAL_TAG_FORM}")
+                         f"non-empty triggers and structures, as {_STRUCTURAL_TAG_FORM}, or a format, as "
+                         f"{_STRUCTURAL_TAG_FORMAT_FORM}")
     return llguidance.StructTag.to_grammar([_struct_tag(item, triggers, spec) for item in structures])
 
 
