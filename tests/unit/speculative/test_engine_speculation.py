@@ -324,3 +324,11 @@ def test_the_length_limit_ends_a_row_at_its_own_token(path):
     params = [SamplingParams(max_tokens=24 - len(p), temperature=0.0, ignore_eos=True) for p in prompts]
     counts, _ = _equal_with_oracle(path, prompts, params, max_model_len=24)
     assert counts["spec_accepted_tokens"] > 0
+
+
+def test_a_full_batch_still_drafts(path):
+    """As many rows as seats: each still has logits rows for its drafts (max_num_seqs x (1 + k) in a slot)."""
+    prompts = random_prompts([6, 9, 12, 15], seed=13)
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 4
+    counts, _ = _equal_with_oracle(path, prompts, params, max_num_seqs=4)
+    assert counts["spec_accepted_tokens"] > 0
