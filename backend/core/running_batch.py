@@ -151,7 +151,7 @@ class RunningBatch:
     @property
     def draftable_rows(self) -> int:
         """Rows that may take drafts at the next step: none where a row's sampling cannot be expanded over drafts
-        (penalties, a grammar: the whole step then drafts nothing)."""
+        (penalties: the whole step then drafts nothing)."""
         return 0 if self._stops_drafts else self._may_draft
 
     def _columns(self, reqs: list[Request], src_rows) -> np.ndarray:
@@ -269,7 +269,7 @@ class RunningBatch:
         self._editing += sign * req.edits_logits
         self._constrained += sign * (req.grammar is not None)
         self._may_draft += sign * req.may_speculate
-        self._stops_drafts += sign * (req.grammar is not None or penalised(req.params))
+        self._stops_drafts += sign * penalised(req.params)
         if req.params.logprobs is not None or req.grammar is not None:
             if sign > 0:
                 self._checked.add(req)

@@ -43,6 +43,9 @@ class DraftedSteps:
                 own = logits[firsts]
                 edits.apply(own, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][firsts]])
                 logits[firsts] = own
+            if batch.rows.any_constrained or any(req.grammar is not None for req in st.sampled[batch.num_rows:]):
+                # after the edits, as on one-token steps: a grammar's ban stands whatever a bias adds
+                r.grammar_masks.apply_drafted(logits[:rows], st.sampled, drafts.drafts, slot.index)
             r.sampler.sample_into(logits, expand_rows(sampling, drafts.counts), slot.targets)
             return rows, False, 0.0
 

@@ -28,12 +28,26 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor, sampled: list[Request], slot_index: int) -> None:
         """Set to -inf, in place, the logits of the tokens each constrained row's grammar does not allow next
         (rows of logits in the order of sampled; other rows, and finished requests' rows, are left alone)."""
-        from backend.structured.grammar import TokenMasker, apply_token_bitmask
+        from backend.structured.grammar import apply_token_bitmask
+
+        apply_token_bitmask(logits, self._masker(slot_index).fill(_matchers(sampled)))
+
+    def apply_drafted(self, logits: torch.Tensor, sampled: list[Request], drafts: list[list[int]],
+                      slot_index: int) -> None:
+        """As apply, for a step whose rows carry drafts: logits hold each sampled row's positions in turn (its own
+        token's, then one after each draft), and each position gets the mask of the row's grammar after the
+        drafts before it."""
+        from backend.structured.grammar import apply_token_bitmask
+
+        apply_token_bitmask(logits, self._masker(slot_index).fill_drafted(_matchers(sampled), drafts))
+
+    def _masker(self, slot_index: int):
+        from backend.structured.grammar import TokenMasker
 
         masker = self._maskers.get(slot_index)
         if masker is None:
             masker = self._maskers[slot_index] = TokenMasker(self.vocab_size, pinned=self.pinned)
-        apply_token_bitmask(logits, masker.fill(_matchers(sampled)))
+        return masker
 
 
 def _matchers(sampled: list[Request]) -> list:

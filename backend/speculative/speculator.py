@@ -72,13 +72,13 @@ class Speculator:
 
     def propose(self, batch: ScheduledBatch, step: int = 0) -> StepDrafts | None:
         """Drafts for the step's decode rows (their blocks taken); None when no row drafts. A step where any sampled
-        row has penalties or a grammar drafts nothing: the expanded sampler handles neither (verify.expand_rows)."""
+        row has penalties drafts nothing: the expanded sampler cannot count drafts as output (verify.expand_rows)."""
         n = batch.num_rows
         if not n:
             return None
         sampled = [req for req, s in zip(batch.requests[n:], batch.samples[n:]) if s]
         rb = batch.rows
-        if any(req.grammar is not None or penalised(req.params) for req in (*rb.requests, *sampled)):
+        if any(penalised(req.params) for req in (*rb.requests, *sampled)):
             return None
         tokens_left = self.max_step_tokens - batch.num_tokens
         rows_left = self.max_step_rows - n - len(sampled)

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import llguidance
+import numpy as np
 import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -304,6 +305,44 @@ class TokenMasker:
             # what llguidance.torch.fill_next_token_bitmask_par does; that module is not imported because importing
             # it loads torch's compiler (seconds)
             self._executor.unsafe_compute_mask_ptr(constrained, bitmask.data_ptr(), self.words * 4, rows)
+        return bitmask
+
+
+    def fill_drafted(self, matchers: list[GrammarMatcher | None], drafts: list[list[int]]) -> torch.Tensor:
+        """Like fill, for rows that carry drafts: row r's masks at its own next token and after each of its drafts,
+        rows one after another (1 + len(drafts[r]) each). A matcher is advanced through its row's drafts while the
+        grammar allows them (one batched fill per depth), then rolled back to where it was; the positions after a
+        draft the grammar refuses, or after it stops, allow every token (the draft is rejected before them)."""
+        counts = [1 + len(d) for d in drafts]
+        rows = sum(counts)
+        if rows > self._buffer.shape[0]:
+            self._buffer = _allocate_bitmask(max(rows, 2 * self._buffer.shape[0]), self.words, self.pinned)
+        bitmask = self._buffer[:rows]
+        bitmask.fill_(-1)
+        words = bitmask.numpy()
+        starts = np.cumsum([0] + counts[:-1])
+        live = [r for r, m in enumerate(matchers) if m is not None and not m.ll_matcher.is_stopped()]
+        advanced = [0] * len(matchers)
+        for depth in range(max(counts, default=0)):
+            if not live:
+                break
+            pairs = [(matchers[r].ll_matcher, int(starts[r]) + depth) for r in live]
+            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self.words * 4, rows)
+            going = []
+            for r in live:
+                if depth == len(drafts[r]):
+                    continue
+                token = drafts[r][depth]
+                row = int(starts[r]) + depth
+                allowed = 0 <= token < self.vocab_size and (int(words[row, token // BITS]) >> (token % BITS)) & 1
+                if allowed and matchers[r].accept(token):
+                    advanced[r] += 1
+                    if not matchers[r].ll_matcher.is_stopped():
+                        going.append(r)
+            live = going
+        for r, n in enumerate(advanced):
+            if n:
+                matchers[r].rollback(n)
         return bitmask
 
 

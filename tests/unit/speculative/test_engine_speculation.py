@@ -298,8 +298,8 @@ def test_abort_mid_generation_returns_blocks_and_history(path):
 
 
 def test_constrained_rows_beside_speculating_rows(smollm2):
-    """Structured outputs (a grammar masks each token) beside free greedy rows on SmolLM2: steps holding a
-    constrained row draft nothing, the constrained outputs still match, the free ones equal a plain run's."""
+    """Structured outputs (a grammar masks each token) beside free greedy rows on SmolLM2, n-gram drafts: the
+    constrained outputs still match, and every output equals a plain run's."""
     import re
 
     from tests.structured_cases import CHOICES, PROMPT, REGEX
@@ -314,7 +314,35 @@ def test_constrained_rows_beside_speculating_rows(smollm2):
     got = spec.generate([free_prompt, PROMPT, PROMPT], [free, *constrained])
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert re.fullmatch(REGEX, got[1].text) and got[2].text in CHOICES
-    assert _accepted(spec) > before  # the free row drafts once the constrained ones are done
+    assert _accepted(spec) > before
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_rows_draft_and_keep_their_outputs(smollm2, temperature):
+    """Rows with a JSON schema, a regex and a choice take oracle drafts (every third span's last draft wrong, and
+    often outside the grammar): each position is masked by the grammar after the drafts before it, the outputs
+    equal a plain run's, drafts are kept, and every matcher ends where its output does."""
+    import json
+
+    from tests.structured_cases import CHOICES, PROMPT, REGEX, TOOL_SCHEMA
+
+    plain, spec = smollm2
+    prompt = plain.tokenizer.encode(PROMPT)
+    kinds = ({"json": TOOL_SCHEMA}, {"regex": REGEX}, {"choice": CHOICES})
+    params = [SamplingParams(max_tokens=60, temperature=temperature, seed=11 + i, structured_outputs=s)
+              for i, s in enumerate(kinds)]
+    want = plain.generate([prompt] * 3, params)
+    saved = spec.speculator.proposer, spec.speculator.policy
+    spec.speculator.proposer = OracleProposer([prompt + o.token_ids for o in want])
+    spec.speculator.policy = None  # every row drafts at every step
+    before = _accepted(spec)
+    try:
+        got = spec.generate([prompt] * 3, params)
+    finally:
+        spec.speculator.proposer, spec.speculator.policy = saved
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    assert json.loads(got[0].text).keys() == TOOL_SCHEMA["properties"].keys()
+    assert _accepted(spec) > before
 
 
 def test_the_length_limit_ends_a_row_at_its_own_token(path):
