@@ -96,9 +96,7 @@ class EngineLoop:
                 if not cur.sample_after_previous:
                     self.runner.launch_sampling(cur)
             self.steps += 1
-        prev = self._inflight
-        self._inflight = cur
-        emitted = 0
+        prev, self._inflight, emitted = self._inflight, cur, 0
         if prev is not None:
             self._complete(prev, next_state=cur)
             emitted = len(prev.sampled)
@@ -111,7 +109,7 @@ class EngineLoop:
             emitted += len(cur.sampled)
         if batch is None and prev is None:
             time.sleep(0.001)  # nothing could be scheduled (cannot happen with valid requests); don't spin
-        if self.speculator is not None and batch is not None:
+        elif self.speculator is not None and batch is not None:
             self.speculator.step_done(self.steps, batch.num_rows, False, emitted, time.perf_counter() - began)
         tl.next_step()
         self.refresh_stats()

@@ -119,8 +119,8 @@ class RunningBatch:
         # checked row by row; and how many rows are not plain greedy, edit logits, or report logprobs
         self._stop_counts: Counter = Counter()
         self.stop_ids: frozenset = frozenset()
-        self._not_plain = self._editing = self._constrained = 0
-        self._may_draft = self._stops_drafts = 0  # rows that may speculate; rows whose step drafts nothing
+        # and rows that may speculate, rows whose step then drafts nothing
+        self._not_plain = self._editing = self._constrained = self._may_draft = self._stops_drafts = 0
         # rows whose every token the update checks: they report logprobs or advance a grammar's matcher
         self._checked: set[Request] = set()
         self._index_rows()

@@ -82,24 +82,14 @@ class Speculator:
             return None
         tokens_left = self.max_step_tokens - batch.num_tokens
         rows_left = self.max_step_rows - n - len(sampled)
-        bm, bs = self.block_manager, self.block_manager.block_size
+        bm = self.block_manager
         drafts: list[list[int]] = [[] for _ in range(n + len(sampled))]
         total = 0
         for row, req in enumerate(rb.requests):
             # the row's token count may not pass its cap (max_tokens, max_model_len): the drafts never outrun it
             k = min(self.k, tokens_left, rows_left, int(rb.token_cap[row] - rb.computed[row]) - 1)
-            if k <= 0 or not req.may_speculate:
-                continue
-            if self.policy is not None:
-                k = self.policy.draft_length(req, step, k)
-                if not k:
-                    continue
-            guess = self.proposer.propose(self._history(req), k)[:k]
-            room = len(req.block_ids) * bs - req.num_computed_tokens + bm.num_free_blocks * bs
-            guess = guess[:max(0, room)]
+            guess = self._guess(req, step, k) if k > 0 and req.may_speculate else []
             if not guess:
-                if self.policy is not None:
-                    self.policy.verified(req, 0, 0)  # nothing to propose: as a miss, so the row waits for a probe
                 continue
             held = len(req.block_ids)
             bm.allocate_slots(req, len(guess))
@@ -112,6 +102,19 @@ class Speculator:
         if not total:
             return None
         return StepDrafts(drafts, total)
+
+    def _guess(self, req: Request, step: int, limit: int) -> list[int]:
+        """req's drafts at this step: as many as the policy allows (at most limit) and its KV blocks can hold."""
+        k = limit if self.policy is None else self.policy.draft_length(req, step, limit)
+        if not k:
+            return []
+        guess = self.proposer.propose(self._history(req), k)[:k]
+        bs = self.block_manager.block_size
+        room = len(req.block_ids) * bs - req.num_computed_tokens + self.block_manager.num_free_blocks * bs
+        guess = guess[:max(0, room)]
+        if not guess and self.policy is not None:
+            self.policy.verified(req, 0, 0)  # nothing to propose: as a miss, so the row waits for a probe
+        return guess
 
     def settle(self, batch: ScheduledBatch, drafts: StepDrafts, tokens: list[int]) -> list[tuple[int, int]]:
         """The step's tokens (every position of every sampled row) read: each decode row keeps its leading drafts
