@@ -144,6 +144,7 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
         if args.structured_share:
             params = constrain(params, args.structured_share)
         hits_before = engine.stats()["prefix_cache_hits"], engine.stats()["prefix_cache_queries"]
+        spec_before = engine.speculator.counts() if engine.speculator is not None else None
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -177,6 +178,8 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
             result["decoding"] = decoding
         if args.structured_share:
             result["structured_share"] = args.structured_share
+        if spec_before is not None:  # --set speculative_method=...: what the drafts gave in this run
+            result["speculation"] = speculation_counts(spec_before, engine.speculator.counts())
         if wl.traffic is not None:
             stats = engine.stats()
             queries = stats["prefix_cache_queries"] - hits_before[1]
@@ -204,6 +207,14 @@ def run_engine(wl: Workload, n: int, async_pipeline: bool, args, decoding: str =
         gc.collect()  # why: the next run sizes its KV cache from free memory; this one's must be gone
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def speculation_counts(before: dict, after: dict) -> dict:
+    """Drafted spans, draft tokens, accepted tokens and the mean acceptance length between two counts."""
+    drafts, proposed, accepted = (after[k] - before[k] for k in ("spec_drafts", "spec_proposed_tokens",
+                                                                 "spec_accepted_tokens"))
+    return dict(drafts=drafts, draft_tokens=proposed, accepted_tokens=accepted,
+                mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else None)
 
 
 def stream_all(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list:
@@ -331,7 +342,7 @@ def _row(r: dict) -> str:
     keys = ["engine", "mode", "decoding", "structured_share", "requests", "wall_s", "requests_per_s", "tok_per_s", "prompt_tok_per_s",
             "total_tok_per_s",
             "prefix_hit_rate", "gpu_busy", "gpu_busy_uncertain", "gpu_kernel_busy", "cpu_us_per_step", "roofline",
-            "peak_mem_gb", "steps", "preemptions", "all_tokens_exact", "cpu_us_by_phase"]
+            "peak_mem_gb", "steps", "preemptions", "all_tokens_exact", "speculation", "cpu_us_by_phase"]
     return "  ".join(f"{k}={r[k]}" for k in keys if k in r)
 
 
