@@ -58,3 +58,24 @@ def test_ngram_on_the_1b_shape_in_bf16():
         assert kv_blocks_used_after_settling(engine) == 0
     finally:
         engine.shutdown()
+
+
+def test_constrained_rows_draft_on_cuda():
+    """Regex and choice rows drafting (n-gram over prompts that repeat an allowed text) beside free rows on the 1B
+    shape, async pipeline with the policy: every constrained output fits, every block returns."""
+    import re
+
+    pytest.importorskip("llguidance")
+    engine = Engine(EngineConfig(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", max_model_len=512,
+                                 num_kv_blocks=256, max_num_seqs=16, speculative_method="ngram"))
+    try:
+        regex, choices = r"(ab-[0-9]{2} ){3,6}", ["alpha beta gamma", "delta"]
+        prompts = ["ab-12 ab-34 ab-56 ab-78 " * 4] * 6 + ["alpha beta gamma " * 6] * 6 + ["free text " * 8] * 4
+        kinds = [{"regex": regex}] * 6 + [{"choice": choices}] * 6 + [None] * 4
+        params = [SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=k) for k in kinds]
+        outs = engine.generate(prompts, params)
+        assert all(re.fullmatch(regex, o.text) for o in outs[:6]), [o.text for o in outs[:6]]
+        assert all(o.text in choices for o in outs[6:12])
+        assert kv_blocks_used_after_settling(engine) == 0
+    finally:
+        engine.shutdown()
