@@ -237,9 +237,9 @@ class Request:
     forks: list["Request"] = field(default_factory=list)
     bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words as token sequences
     edits_logits: bool = False  # min_tokens, logit_bias, allowed_token_ids or bad_words: see logit_rules
-    # its decode rows may take drafted tokens (backend/speculative): not with penalties (later positions would count
-    # the drafts as outputs) or logit edits (min_tokens bans move with the output count), nor where the request
-    # turned speculation off; a grammar's masks follow the drafts (TokenMasker.fill_drafted)
+    # its decode rows may take drafted tokens (backend/speculative): not with logit edits (min_tokens bans move with
+    # the output count), nor where the request turned speculation off; a grammar's masks and the penalties' token
+    # tables follow the drafts (TokenMasker.fill_drafted, verify.expand_rows)
     may_speculate: bool = False
     # structured outputs: the compiled constraint (made in the caller's thread), and this sample's matcher, made
     # when its first token is masked and advanced by every token it accepts
@@ -310,7 +310,7 @@ class Request:
         self.plain_greedy = (p.temperature == 0.0 and p.logprobs is None and p.min_tokens == 0
                              and not penalised(p) and not p.has_logit_rules and self.grammar is None)
         self.edits_logits = bool(p.min_tokens) or p.has_logit_rules
-        self.may_speculate = p.speculate and not self.edits_logits and not penalised(p)
+        self.may_speculate = p.speculate and not self.edits_logits
         if not self.group_id:
             self.group_id = self.request_id
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)

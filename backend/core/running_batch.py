@@ -23,7 +23,7 @@ from itertools import compress, count
 
 import numpy as np
 
-from backend.request import Request, penalised
+from backend.request import Request
 
 _KEPT_CHANGES = 8  # row changes remembered (RunningBatch.changes): a step's rows change a few times at most
 _SERIALS = count()  # each running batch's number, so state kept about one (a slot's block tables) names it
@@ -119,8 +119,8 @@ class RunningBatch:
         # checked row by row; and how many rows are not plain greedy, edit logits, or report logprobs
         self._stop_counts: Counter = Counter()
         self.stop_ids: frozenset = frozenset()
-        # and rows that may speculate, rows whose step then drafts nothing
-        self._not_plain = self._editing = self._constrained = self._may_draft = self._stops_drafts = 0
+        # and rows that may speculate
+        self._not_plain = self._editing = self._constrained = self._may_draft = 0
         # rows whose every token the update checks: they report logprobs or advance a grammar's matcher
         self._checked: set[Request] = set()
         self._index_rows()
@@ -150,9 +150,8 @@ class RunningBatch:
 
     @property
     def draftable_rows(self) -> int:
-        """Rows that may take drafts at the next step: none where a row's sampling cannot be expanded over drafts
-        (penalties: the whole step then drafts nothing)."""
-        return 0 if self._stops_drafts else self._may_draft
+        """Rows that may take drafts at the next step (Request.may_speculate)."""
+        return self._may_draft
 
     def _columns(self, reqs: list[Request], src_rows) -> np.ndarray:
         """The per-row values for reqs, read from the requests themselves: (len(_INTS), rows) ints."""
@@ -269,7 +268,6 @@ class RunningBatch:
         self._editing += sign * req.edits_logits
         self._constrained += sign * (req.grammar is not None)
         self._may_draft += sign * req.may_speculate
-        self._stops_drafts += sign * penalised(req.params)
         if req.params.logprobs is not None or req.grammar is not None:
             if sign > 0:
                 self._checked.add(req)

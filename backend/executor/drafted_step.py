@@ -38,15 +38,17 @@ class DraftedSteps:
 
         def sample() -> tuple[int, bool, float]:
             logits = st.logits
+            firsts = torch.tensor(starts, device=logits.device)  # each sampled row's first position
+            if sampling.any_penalty:  # a position's outputs: the row's, its input token, the drafts before it
+                r.append_input_tokens(slot, sampling, len(starts), firsts)
             if edits is not None:  # rows with edits draft nothing: their one position is their first
-                firsts = torch.tensor(starts, device=logits.device)
                 own = logits[firsts]
                 edits.apply(own, lambda: slot.dev["input_ids"][slot.dev["logits_idx"][firsts]])
                 logits[firsts] = own
             if batch.rows.any_constrained or any(req.grammar is not None for req in st.sampled[batch.num_rows:]):
                 # after the edits, as on one-token steps: a grammar's ban stands whatever a bias adds
                 r.grammar_masks.apply_drafted(logits[:rows], st.sampled, drafts.drafts, slot.index)
-            r.sampler.sample_into(logits, expand_rows(sampling, drafts.counts), slot.targets)
+            r.sampler.sample_into(logits, expand_rows(sampling, drafts.counts, drafts.drafts), slot.targets)
             return rows, False, 0.0
 
         r.pipeline.launch_forward(slot, slot.i32_prefix + len(batch) * r.layout.max_blocks, forward)

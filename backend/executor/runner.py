@@ -215,7 +215,7 @@ class ModelRunner:
         if plan.constrained:  # after the edits: a grammar's ban stands whatever a bias adds
             self.grammar_masks.apply(st.logits[:n], st.sampled, slot.index)
         if sampling.any_penalty:
-            self._append_input_tokens(slot, sampling, n)
+            self.append_input_tokens(slot, sampling, n)
         self.sampler.sample_into(st.logits[:rows], sampling, slot.targets)
         return rows, False, 0.0
 
@@ -286,10 +286,12 @@ class ModelRunner:
         hidden = self.model(ids, slot.dev["positions"][:T], self.kv_cache, meta, ops)  # (T, H)
         return self.model.compute_logits(hidden[slot.dev["logits_idx"][:num_sampled]], None, ops)  # (N, V)
 
-    def _append_input_tokens(self, slot: Slot, sampling: SamplingTensors, n: int) -> None:
-        """Penalties count this step's input token (maybe carried over) as an output token when it is one."""
+    def append_input_tokens(self, slot: Slot, sampling: SamplingTensors, n: int,
+                            firsts: torch.Tensor | None = None) -> None:
+        """Penalties count this step's input token (maybe carried over) as an output token when it is one; firsts:
+        each of the n sampled rows' logits row (default 0 .. n - 1; a drafting row's first position)."""
         out = sampling.output_token_ids  # (B, Lo) padded with -1
-        idx = slot.dev["logits_idx"][:n]
+        idx = slot.dev["logits_idx"][:n] if firsts is None else slot.dev["logits_idx"][firsts]
         last = slot.dev["input_ids"][idx]  # (n,)
         is_output = slot.dev["positions"][idx] >= sampling.prompt_token_ids.ne(-1).sum(1)[:n]
         col = torch.where(is_output, last, torch.full_like(last, -1))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from backend.core.kv_cache import BlockManager
 from backend.core.scheduler import ScheduledBatch
-from backend.request import Request, penalised
+from backend.request import Request
 from backend.speculative.draft_policy import DraftPolicy
 from backend.speculative.proposer import Proposer
 from backend.speculative.token_history import TokenHistory
@@ -71,15 +71,12 @@ class Speculator:
             self.policy.step_done(step, num_rows, drafted, tokens, seconds)
 
     def propose(self, batch: ScheduledBatch, step: int = 0) -> StepDrafts | None:
-        """Drafts for the step's decode rows (their blocks taken); None when no row drafts. A step where any sampled
-        row has penalties drafts nothing: the expanded sampler cannot count drafts as output (verify.expand_rows)."""
+        """Drafts for the step's decode rows (their blocks taken); None when no row drafts."""
         n = batch.num_rows
         if not n:
             return None
         sampled = [req for req, s in zip(batch.requests[n:], batch.samples[n:]) if s]
         rb = batch.rows
-        if any(penalised(req.params) for req in (*rb.requests, *sampled)):
-            return None
         tokens_left = self.max_step_tokens - batch.num_tokens
         rows_left = self.max_step_rows - n - len(sampled)
         bm = self.block_manager

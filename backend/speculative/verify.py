@@ -18,13 +18,13 @@ import torch
 from backend.executor.sampler import SamplingTensors
 
 
-def expand_rows(st: SamplingTensors, positions: int | Sequence[int]) -> SamplingTensors:
+def expand_rows(st: SamplingTensors, positions: int | Sequence[int],
+                drafts: Sequence[Sequence[int]] | None = None) -> SamplingTensors:
     """Each row's settings for consecutive tokens, row-major (row 0's positions first): `positions` of them for
     every row, or positions[r] for row r (host ints, so no count is read from the device); the step index grows by
-    one a position. Rows with repetition, presence or frequency penalties are not expanded (ValueError): their
-    later positions would need the drafts counted as output."""
-    if st.any_penalty:
-        raise ValueError("rows with repetition, presence or frequency penalties cannot be verified in one step")
+    one a position. With penalties, each row's token tables are repeated too and a position's outputs gain the
+    drafts before it, as if they had been made: drafts[r] are row r's (its output table must already hold the
+    step's input token)."""
     device = st.step_index.device
     if isinstance(positions, int):
         if positions < 1:
@@ -32,7 +32,7 @@ def expand_rows(st: SamplingTensors, positions: int | Sequence[int]) -> Sampling
         offsets = torch.arange(positions, dtype=st.step_index.dtype, device=device)
 
         def repeat(t: torch.Tensor) -> torch.Tensor:
-            return t.repeat_interleave(positions)
+            return t.repeat_interleave(positions, dim=0)
 
         step_index = (st.step_index.unsqueeze(1) + offsets).reshape(-1)
     else:
@@ -44,15 +44,31 @@ def expand_rows(st: SamplingTensors, positions: int | Sequence[int]) -> Sampling
         starts = torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.int64, device=device)
 
         def repeat(t: torch.Tensor) -> torch.Tensor:
-            return t.repeat_interleave(sizes, output_size=total)
+            return t.repeat_interleave(sizes, dim=0, output_size=total)
 
         within = torch.arange(total, dtype=torch.int64, device=device) - repeat(starts)
         step_index = repeat(st.step_index) + within.to(st.step_index.dtype)
 
+    tables = {}
+    if st.any_penalty:
+        counts = [positions] * st.batch_size if isinstance(positions, int) else list(positions)
+        if drafts is None or [1 + len(d) for d in drafts] != counts:
+            raise ValueError("rows with penalties need their drafts, one position each after the first")
+        rows = st.batch_size  # the tables may hold more rows than the step samples
+        tables = dict(prompt_token_ids=repeat(st.prompt_token_ids[:rows]),
+                      output_token_ids=torch.cat([repeat(st.output_token_ids[:rows]), _drafts_before(drafts, device)],
+                                                 1))
     return replace(st, temperature=repeat(st.temperature), top_k=repeat(st.top_k), top_p=repeat(st.top_p),
                    min_p=repeat(st.min_p), repetition_penalty=repeat(st.repetition_penalty),
                    presence_penalty=repeat(st.presence_penalty), frequency_penalty=repeat(st.frequency_penalty),
-                   seeds=repeat(st.seeds), step_index=step_index)
+                   seeds=repeat(st.seeds), step_index=step_index, **tables)
+
+
+def _drafts_before(drafts: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """(positions, longest draft) int64: at row r's position i, its first i drafts, then -1 (no token)."""
+    width = max((len(d) for d in drafts), default=0)
+    rows = [list(d[:i]) + [-1] * (width - i) for d in drafts for i in range(1 + len(d))]
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width).to(device)
 
 
 def accepted_lengths(drafts: torch.Tensor, draft_lengths: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:

@@ -81,9 +81,9 @@ def test_drafts_that_are_kept_go_on(path):
     assert steps < 120 // 2  # most steps emit several tokens a row
 
 
-@pytest.mark.parametrize("extra", [dict(speculate=False), dict(repetition_penalty=1.2)])
+@pytest.mark.parametrize("extra", [dict(speculate=False), dict(logit_bias={7: 1.5})])
 def test_rows_that_cannot_draft_keep_the_async_pipeline(path, extra):
-    """No row may draft (opted out, or a penalty that stops its step's drafts): no step reads the one before first."""
+    """No row may draft (opted out, or logit edits): no step reads the one before first."""
     prompts = random_prompts([5, 8], seed=24)
     params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, **extra)] * 2
     want, _, _ = _run(path, prompts, params)

@@ -171,13 +171,25 @@ def test_per_token_rules_hold_on_kept_tokens(path, case):
         assert counts["spec_accepted_tokens"] > 0
 
 
-def test_rows_with_penalties_or_opting_out_do_not_speculate(path):
+def test_rows_with_logit_edits_or_opting_out_do_not_speculate(path):
     prompts = random_prompts([6, 9], seed=8)
-    for extra in (dict(repetition_penalty=1.3), dict(presence_penalty=0.5), dict(speculate=False),
-                  dict(logit_bias={5: 2.0})):
+    for extra in (dict(speculate=False), dict(logit_bias={5: 2.0}), dict(min_tokens=3)):
         params = [SamplingParams(max_tokens=10, temperature=0.0, **extra)] * 2
         counts, _ = _equal_with_oracle(path, prompts, params)
         assert counts["spec_proposed_tokens"] == 0, extra
+
+
+@pytest.mark.parametrize("penalty", [dict(repetition_penalty=1.3), dict(presence_penalty=0.8),
+                                     dict(frequency_penalty=2.0, temperature=0.5, seed=5)])
+def test_rows_with_penalties_count_the_drafts_before_each_position(path, penalty):
+    """A drafted position's penalties see the row's outputs, its input token and the drafts before it, as they
+    would had those been made one step at a time: outputs equal, with a row without penalties beside."""
+    prompts = random_prompts([6, 9, 4], seed=8)
+    base = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(**{**base, **penalty}), SamplingParams(**{**base, **penalty, "seed": 6}),
+              SamplingParams(**base)]
+    counts, _ = _equal_with_oracle(path, prompts, params)
+    assert counts["spec_accepted_tokens"] > 0
 
 
 def test_kv_blocks_advance_by_the_tokens_emitted(path):

@@ -71,11 +71,17 @@ def test_a_draft_is_kept_with_the_probability_the_model_gives_it():
     assert ((observed - expected) ** 2 / expected).sum().item() < 20.52
 
 
-def test_rows_with_penalties_are_not_expanded():
-    params = [SamplingParams(temperature=1.0, repetition_penalty=1.2)]
-    st = _tensors(params, [1], [0], prompt_token_ids=[[1, 2]], output_token_ids=[[3]])
-    with pytest.raises(ValueError, match="penalties"):
+def test_rows_with_penalties_count_the_drafts_before_each_position():
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1.2), SamplingParams(temperature=1.0)]
+    st = _tensors(params, [1, 2], [0, 0], prompt_token_ids=[[1, 2], [4, -1]], output_token_ids=[[3, 9], [-1, -1]])
+    out = expand_rows(st, [3, 2], drafts=[[7, 8], [5]])
+    assert out.prompt_token_ids.tolist() == [[1, 2]] * 3 + [[4, -1]] * 2
+    assert out.output_token_ids.tolist() == [[3, 9, -1, -1], [3, 9, 7, -1], [3, 9, 7, 8],
+                                             [-1, -1, -1, -1], [-1, -1, 5, -1]]
+    with pytest.raises(ValueError, match="penalties need their drafts"):
         expand_rows(st, 3)
+    with pytest.raises(ValueError, match="penalties need their drafts"):
+        expand_rows(st, [3, 2], drafts=[[7], [5]])
 
 
 def test_rows_expand_to_their_own_counts():
