@@ -59,13 +59,16 @@ class EngineConfig:
     max_stop_strings: int = 16
     max_stop_string_length: int = 256
     cache_dir: str | None = None  # where the built-in model is converted to safetensors
-    # speculative decoding: "" (off), ngram or suffix (backend/speculative); decode rows then feed up to
+    # speculative decoding: "" (off), ngram, suffix or draft (backend/speculative); decode rows then feed up to
     # num_speculative_tokens drafted tokens a step, which the model checks in the same forward (a drafted step reads
     # the step before it first); speculative_adaptive: drafts only where and as far as they measurably pay
     # (speculative/draft_policy.py), else every row drafts k at every step
     speculative_method: str = ""
     num_speculative_tokens: int = 4
     speculative_adaptive: bool = True
+    # speculative_method draft: the draft model (a checkpoint folder or an alias, as `model`), a smaller model with
+    # the same tokenizer; it runs beside the model with its own KV cache of as many tokens
+    speculative_draft_model: str = ""
     test_fault_every_n_steps: int = 0  # test hook: every n-th step raises (0 = off); never set in production
 
     @classmethod
@@ -108,6 +111,10 @@ class EngineConfig:
         if self.speculative_method not in ("", *SPECULATIVE_METHODS):
             raise ValueError(f"speculative_method must be empty (off) or one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != bool(self.speculative_draft_model):
+            raise ValueError("speculative_draft_model (the draft checkpoint) is needed with speculative_method draft, "
+                             f"and read only then; got method {self.speculative_method!r} and draft model "
+                             f"{self.speculative_draft_model!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")

@@ -173,7 +173,9 @@ class Engine:
         GcSettings.engine_stopped(self.config.gc_freeze, self.config.gc_young_threshold)
         if not self._thread.is_alive():
             self.runner.release()
-            self.parts.model = None
+            self.parts.model = self.parts.draft = None
+            if self.speculator is not None:
+                self.speculator.release()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -186,5 +188,6 @@ def _speculator(config: EngineConfig, parts: EngineParts) -> Speculator | None:
     """The drafting side of speculative decoding where the config turns it on (its steps fit a slot's buffers)."""
     if not config.speculative_method:
         return None
-    return Speculator(make_proposer(config.speculative_method), config.num_speculative_tokens, parts.block_manager,
-                      config.max_num_batched_tokens, parts.runner.layout.max_rows, config.speculative_adaptive)
+    return Speculator(make_proposer(config.speculative_method, parts.draft), config.num_speculative_tokens,
+                      parts.block_manager, config.max_num_batched_tokens, parts.runner.layout.max_rows,
+                      config.speculative_adaptive)

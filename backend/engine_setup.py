@@ -26,6 +26,16 @@ _DEFAULT_MAX_LEN_CAP = 32768
 
 
 @dataclass
+class DraftParts:
+    """The draft model of speculative_method draft, and its own KV cache (as many blocks as the model's)."""
+
+    model: object
+    kv_cache: torch.Tensor | None
+    block_size: int
+    target_vocab_size: int  # the model's: the draft never proposes a token past it
+
+
+@dataclass
 class EngineParts:
     """Everything the engine loop works with."""
 
@@ -40,6 +50,7 @@ class EngineParts:
     timeline: Timeline
     async_pipeline: bool
     kv_cache_dtype: torch.dtype  # the model's dtype, or FP8 (e4m3) for kv_cache_dtype fp8
+    draft: DraftParts | None = None  # speculative_method draft's model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,9 +92,13 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     if max_len > spec.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_len}) exceeds the model's maximum ({spec.max_position_embeddings})")
     kv_dtype = _kv_cache_dtype(config, model, dtype)
-    num_blocks = _num_kv_blocks(config, spec, kv_dtype, device)
+    draft = _load_draft(device, config, dtype, backend, spec, tokenizer) if config.speculative_method == "draft" else None
+    num_blocks = _num_kv_blocks(config, spec, kv_dtype, device, draft)
     kv_cache = torch.zeros(spec.kv_cache_shape(num_blocks, config.block_size), dtype=kv_dtype,
                            device=device)  # (L, 2, NB, BS, Hkv, D)
+    if draft is not None:
+        draft.kv_cache = torch.zeros(draft.model.spec.kv_cache_shape(num_blocks, config.block_size), dtype=dtype,
+                                     device=device)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_len)
     timeline = Timeline(config.timeline, use_cuda=device.type == "cuda")
@@ -101,7 +116,7 @@ def _build_on(device: torch.device, config: EngineConfig, model, tokenizer) -> E
     log.info("engine: %s on %s (%s), %d KV blocks of %d tokens (%s), max_model_len %d, attention %s, async %s",
              path, device, dtype, num_blocks, config.block_size, kv_dtype, max_len, backend, async_pipeline)
     return EngineParts(device, dtype, model, tokenizer, max_len, block_manager, scheduler, runner, timeline,
-                       async_pipeline, kv_dtype)
+                       async_pipeline, kv_dtype, draft)
 
 
 def _load(device: torch.device, config: EngineConfig, dtype: torch.dtype, backend: str):
@@ -121,6 +136,30 @@ def _load(device: torch.device, config: EngineConfig, dtype: torch.dtype, backen
     if dependent and config.dependent_launch in ("auto", "decode"):
         step_ops = StepOps(model.ops, get_ops(backend, config.linear_backend, False), config.dependent_decode_rows)
     return path, model, tokenizer, step_ops
+
+
+def _load_draft(device: torch.device, config: EngineConfig, dtype: torch.dtype, backend: str, spec,
+                tokenizer) -> DraftParts:
+    """speculative_draft_model, loaded as the model is but unquantized and without dependent launch (it is small),
+    once it is known to share the model's tokenizer; its KV cache comes once the model's block count is known."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(config.speculative_draft_model, config.cache_dir)
+    _check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(path), path)
+    model = load_model(path, dtype=dtype, device=device, attention_backend=backend,
+                       linear_backend=config.linear_backend)
+    return DraftParts(model, None, config.block_size, spec.vocab_size)
+
+
+def _check_same_tokenizer(tokenizer, draft_tokenizer, path: str) -> None:
+    """A draft model's tokens mean the same text as the model's, or its drafts are noise: same vocabulary."""
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return
+    ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if ours != theirs:
+        differ = sum(1 for text, i in theirs.items() if ours.get(text) != i) + len(set(ours) - set(theirs))
+        raise ValueError(f"speculative_draft_model {path!r} has another tokenizer than the model: {len(theirs)} "
+                         f"tokens against {len(ours)}, {differ} of them differ; a draft model must share it")
 
 
 def _kv_cache_dtype(config: EngineConfig, model, dtype: torch.dtype) -> torch.dtype:
@@ -143,12 +182,15 @@ def _dependent_launch(setting: str, backend: str, device: torch.device) -> bool:
     return backend == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _num_kv_blocks(config: EngineConfig, spec, kv_dtype: torch.dtype, device: torch.device) -> int:
+def _num_kv_blocks(config: EngineConfig, spec, kv_dtype: torch.dtype, device: torch.device,
+                   draft: DraftParts | None = None) -> int:
     """Blocks from the config, or from free memory (CUDA) / the CPU byte budget at kv_dtype's element size (an FP8
-    cache gets twice the blocks of a bf16 one)."""
+    cache gets twice the blocks of a bf16 one); a draft model's cache takes as many blocks of its own size."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks + 1  # one more: block 0 is the reserved null block
     per_block = spec.kv_bytes_per_block(config.block_size, kv_dtype)
+    if draft is not None:
+        per_block += draft.model.spec.kv_bytes_per_block(config.block_size)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.kv_cache_memory_fraction) - (2 << 30)  # room for activations and graphs

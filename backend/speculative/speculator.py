@@ -82,6 +82,8 @@ class Speculator:
         bm = self.block_manager
         drafts: list[list[int]] = [[] for _ in range(n + len(sampled))]
         total = 0
+        if self.proposer.drafts_together:
+            self._prepare(batch, step, min(tokens_left, rows_left))
         for row, req in enumerate(rb.requests):
             # the row's token count may not pass its cap (max_tokens, max_model_len): the drafts never outrun it
             k = min(self.k, tokens_left, rows_left, int(rb.token_cap[row] - rb.computed[row]) - 1)
@@ -99,6 +101,20 @@ class Speculator:
         if not total:
             return None
         return StepDrafts(drafts, total)
+
+    def _prepare(self, batch: ScheduledBatch, step: int, room: int) -> None:
+        """Tell the proposer every row that may ask at this step and its most drafts (the policy's length within the
+        row's cap and the step's room; the asks that follow may take fewer)."""
+        rb = batch.rows
+        histories, ks = [], []
+        for row, req in enumerate(rb.requests):
+            k = min(self.k, room, int(rb.token_cap[row] - rb.computed[row]) - 1)
+            if k > 0 and req.may_speculate and self.policy is not None:
+                k = self.policy.draft_length(req, step, k)
+            if k > 0 and req.may_speculate:
+                histories.append(self._history(req))
+                ks.append(k)
+        self.proposer.prepare(histories, ks)
 
     def _guess(self, req: Request, step: int, limit: int) -> list[int]:
         """req's drafts at this step: as many as the policy allows (at most limit) and its KV blocks can hold."""
@@ -152,8 +168,14 @@ class Speculator:
 
     def forget_all(self) -> None:
         self._histories.clear()
+        self.proposer.forget_all()
         if self.policy is not None:
             self.policy.forget_all()
+
+    def release(self) -> None:
+        """The loop stopped: the proposer (a draft model's weights and cache among them) goes."""
+        self.forget_all()
+        self.proposer = None
 
     def _history(self, req: Request) -> TokenHistory:
         history = self._histories.get(req)

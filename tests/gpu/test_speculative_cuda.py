@@ -1,6 +1,7 @@
 """Speculative decoding on CUDA: drafted steps (eager, several tokens a row) between graph-captured one-token steps
 give the outputs of the engine without speculation (greedy and seeded sampling, float32; the async pipeline with the
-draft policy too), and on the random 1B shape in bf16 the n-gram proposer drafts and gives every KV block back."""
+draft policy too), and on the random 1B shape in bf16 the n-gram proposer and a draft model draft and give every KV
+block back."""
 from __future__ import annotations
 
 import pytest
@@ -76,6 +77,46 @@ def test_constrained_rows_draft_on_cuda():
         outs = engine.generate(prompts, params)
         assert all(re.fullmatch(regex, o.text) for o in outs[:6]), [o.text for o in outs[:6]]
         assert all(o.text in choices for o in outs[6:12])
+        assert kv_blocks_used_after_settling(engine) == 0
+    finally:
+        engine.shutdown()
+
+
+def test_draft_model_on_cuda(path):
+    """The model as its own draft on CUDA (graphs on for the one-token steps, the async pipeline with the policy):
+    outputs equal to the engine alone, every draft kept, both caches' blocks back."""
+    prompts = random_prompts([3, 30, 9, 57, 1, 16], seed=22)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 33, 7, 26, 3, 45)]
+    settings = dict(model=path, block_size=4, num_kv_blocks=96, max_num_seqs=16, **CUDA)
+    outs = {}
+    for method in ("", "draft"):
+        extra = dict(speculative_method="draft", speculative_draft_model=path) if method else {}
+        engine = Engine(EngineConfig(**settings, **extra))
+        try:
+            outs[method] = [o.token_ids for o in engine.generate(prompts, params)]
+            assert kv_blocks_used_after_settling(engine) == 0
+            if method:
+                counts = engine.speculator.counts()
+                cache = engine.speculator.proposer.cache
+                assert counts["spec_accepted_tokens"] == counts["spec_proposed_tokens"] > 0
+                assert len(cache) == 0 and cache.num_free_blocks == cache.num_blocks - 1
+        finally:
+            engine.shutdown()
+    assert outs["draft"] == outs[""]
+
+
+def test_draft_model_on_the_1b_shape_in_bf16():
+    """random:llama-3.2-1b drafting for itself in bf16 (Triton attention and GEMMs in the draft's forwards):
+    lengths exact, drafts kept (bf16 near-ties may part the two forwards' argmax), every block back."""
+    engine = Engine(EngineConfig(model="random:llama-3.2-1b", device="cuda", dtype="bfloat16", max_model_len=512,
+                                 num_kv_blocks=256, max_num_seqs=16, speculative_method="draft",
+                                 speculative_draft_model="random:llama-3.2-1b", speculative_adaptive=False))
+    try:
+        prompts = [list(range(100 + i, 164 + i)) for i in range(12)]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+        counts = engine.speculator.counts()
+        assert [len(o.token_ids) for o in outs] == [48] * 12
+        assert counts["spec_proposed_tokens"] >= counts["spec_accepted_tokens"] > 0
         assert kv_blocks_used_after_settling(engine) == 0
     finally:
         engine.shutdown()
