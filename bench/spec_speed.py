@@ -10,7 +10,9 @@ measured acceptance is printed beside the alpha asked for.
 
 For each batch size, in one process with one copy of the weights: the default engine (asynchronous pipeline, no
 speculation), the speculating engine with every request opting out, the speculating engine at each alpha with the
-draft policy (a fresh one per run) and, to show what verifying costs, with every row drafting k at every step. Prints a table and one JSON line; tok/s counts output tokens over the wall time,
+draft policy (a fresh one per run) and, to show what verifying costs, with every row drafting k at every step; with
+--draft-model, a draft model's engine too, doing all its drafting work but handing out the oracle's drafts (its cost
+at a chosen acceptance). Prints a table and one JSON line; tok/s counts output tokens over the wall time,
 "kept" the share of drafted tokens accepted, "tokens/draft" the mean acceptance length (tokens a drafting row emits
 in a verify step: its accepted drafts and the model's own token after them)."""
 from __future__ import annotations
@@ -52,17 +54,40 @@ class OracleProposer(Proposer):
                 for t in drafts]
 
 
+class OracleDraftProposer(Proposer):
+    """Benchmark only: a draft model's proposer that does all its work (its forwards, its cache, at every step) but
+    hands out the oracle's drafts, so the speed of draft-model speculation shows at a chosen acceptance."""
+
+    name = "oracle-draft"
+    drafts_together = True
+
+    def __init__(self, draft: Proposer, oracle: OracleProposer) -> None:
+        self.draft, self.oracle = draft, oracle
+
+    def prepare(self, histories, ks) -> None:
+        self.draft.prepare(histories, ks)
+
+    def propose(self, history: TokenHistory, k: int) -> list[int]:
+        return self.oracle.propose(history, k) if self.draft.propose(history, k) else []
+
+    def finished(self, history: TokenHistory, prompt_length: int) -> None:
+        self.draft.finished(history, prompt_length)
+
+    def forget_all(self) -> None:
+        self.draft.forget_all()
+
+
 def timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     return outs, time.perf_counter() - start
 
 
-def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int) -> list[dict]:
+def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int, drafting: Engine | None) -> list[dict]:
     rng = random.Random(batch)
     prompts = [[rng.randrange(3, min(vocab, 30000)) for _ in range(args.prompt_len)] for _ in range(batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    for engine in (plain, spec):  # warm: the first steps of a batch size pay for one-off set-up
+    for engine in (plain, spec, *([drafting] if drafting else [])):  # warm: the first steps of a batch size pay for one-off set-up
         engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, speculate=False))
     outs, seconds = timed_generate(plain, prompts, params)
     recorded = {tuple(p): list(o.token_ids) for p, o in zip(prompts, outs)}
@@ -71,18 +96,22 @@ def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int) -> list
     opt_out = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, speculate=False)
     _, seconds = timed_generate(spec, prompts, opt_out)
     rows.append(dict(batch=batch, mode="speculating, opted out", alpha=None, tok_per_s=tokens / seconds))
-    runs = [(alpha, True) for alpha in args.alphas] + [(alpha, False) for alpha in args.every_step_alphas]
-    for alpha, adaptive in runs:
-        spec.speculator.policy = DraftPolicy(args.k) if adaptive else None  # a fresh policy: nothing learnt
-        spec.speculator.proposer = OracleProposer(recorded, args.prompt_len, alpha, vocab, seed=batch)
-        before = spec.speculator.counts()
-        got, seconds = timed_generate(spec, prompts, params)
-        after = spec.speculator.counts()
+    runs = [(alpha, True, spec) for alpha in args.alphas] + [(alpha, False, spec) for alpha in args.every_step_alphas]
+    runs += [(alpha, True, drafting) for alpha in (args.draft_alphas if drafting else [])]
+    draft_proposer = drafting.speculator.proposer if drafting else None
+    for alpha, adaptive, engine in runs:
+        engine.speculator.policy = DraftPolicy(args.k) if adaptive else None  # a fresh policy: nothing learnt
+        oracle = OracleProposer(recorded, args.prompt_len, alpha, vocab, seed=batch)
+        engine.speculator.proposer = oracle if engine is spec else OracleDraftProposer(draft_proposer, oracle)
+        before = engine.speculator.counts()
+        got, seconds = timed_generate(engine, prompts, params)
+        after = engine.speculator.counts()
         proposed, accepted, steps, spans = (after[key] - before[key] for key in
                                             ("spec_proposed_tokens", "spec_accepted_tokens", "spec_steps",
                                              "spec_drafts"))
         same = np.mean([g.token_ids == recorded[tuple(p)] for g, p in zip(got, prompts)])
-        mode = f"oracle k={args.k}, " + ("policy" if adaptive else "every step")
+        mode = ("oracle" if engine is spec else "draft model + oracle") + f" k={args.k}, "
+        mode += "policy" if adaptive else "every step"
         rows.append(dict(batch=batch, mode=mode, alpha=alpha, tok_per_s=tokens / seconds,
                          accepted_share=accepted / proposed if proposed else 0.0,
                          mean_acceptance_length=1 + accepted / spans if spans else 1.0, drafted_steps=steps,
@@ -103,11 +132,16 @@ def main(argv=None) -> int:
     parser.add_argument("--every-step-alphas", default="0,1.0",
                         help="with every row drafting k at every step (the policy off); empty for none")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--draft-model", default="",
+                        help="a draft model (e.g. random:llama-3.2-1b): runs at --draft-alphas with its forwards done "
+                             "but the oracle's drafts handed out, so its cost shows at a chosen acceptance")
+    parser.add_argument("--draft-alphas", default="0.8")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args(argv)
     args.alphas = [float(a) for a in args.alphas.split(",") if a]
     args.every_step_alphas = [float(a) for a in args.every_step_alphas.split(",") if a]
+    args.draft_alphas = [float(a) for a in args.draft_alphas.split(",") if a]
     batches = [int(b) for b in args.batches.split(",")]
     blocks = -(-max(batches) * (args.prompt_len + args.max_tokens + args.k + 1) // 16) + max(batches) + 8
     common = dict(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
@@ -115,22 +149,29 @@ def main(argv=None) -> int:
     plain = Engine(EngineConfig(**common))
     spec = Engine(EngineConfig(**common, speculative_method="ngram",
                                num_speculative_tokens=args.k), model=plain.parts.model, tokenizer=plain.tokenizer)
+    drafting = None
+    if args.draft_model:
+        drafting = Engine(EngineConfig(**common, speculative_method="draft", speculative_draft_model=args.draft_model,
+                                       num_speculative_tokens=args.k), model=plain.parts.model,
+                          tokenizer=plain.tokenizer)
     vocab = plain.spec.vocab_size
     rows = []
     try:
         for batch in batches:
-            rows += run_batch(plain, spec, batch, args, vocab)
+            rows += run_batch(plain, spec, batch, args, vocab, drafting)
     finally:
+        if drafting is not None:
+            drafting.shutdown()
         spec.shutdown()
         plain.shutdown()
-    print(f"{'batch':>5}  {'mode':<26} {'alpha':>5}  {'tok/s':>9}  {'÷ async':>7}  {'kept':>5}  {'tokens/draft':>12}  "
+    print(f"{'batch':>5}  {'mode':<38} {'alpha':>5}  {'tok/s':>9}  {'÷ async':>7}  {'kept':>5}  {'tokens/draft':>12}  "
           f"{'as recorded':>11}")
     for r in rows:
         alpha = "" if r["alpha"] is None else f"{r['alpha']:.2f}"
         extra = (f"{r['accepted_share']:>5.2f}  {r['mean_acceptance_length']:>12.2f}  {r['outputs_as_recorded']:>11.2f}"
                  if r["alpha"] is not None else "")
-        print(f"{r['batch']:>5}  {r['mode']:<26} {alpha:>5}  {r['tok_per_s']:>9.1f}  {r['vs_async']:>7.3f}  {extra}")
-    print(json.dumps({"model": args.model, "k": args.k, "prompt_len": args.prompt_len,
+        print(f"{r['batch']:>5}  {r['mode']:<38} {alpha:>5}  {r['tok_per_s']:>9.1f}  {r['vs_async']:>7.3f}  {extra}")
+    print(json.dumps({"model": args.model, "draft_model": args.draft_model, "k": args.k, "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "rows": rows}))
     return 0
 
