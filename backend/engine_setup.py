@@ -33,6 +33,8 @@ class DraftParts:
     kv_cache: torch.Tensor | None
     block_size: int
     target_vocab_size: int  # the model's: the draft never proposes a token past it
+    num_tokens: int  # num_speculative_tokens: what every drafting step proposes a row
+    max_rows: int  # max_num_seqs: the most rows a step drafts for
 
 
 @dataclass
@@ -148,7 +150,8 @@ def _load_draft(device: torch.device, config: EngineConfig, dtype: torch.dtype, 
     _check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(path), path)
     model = load_model(path, dtype=dtype, device=device, attention_backend=backend,
                        linear_backend=config.linear_backend)
-    return DraftParts(model, None, config.block_size, spec.vocab_size)
+    return DraftParts(model, None, config.block_size, spec.vocab_size, config.num_speculative_tokens,
+                      config.max_num_seqs)
 
 
 def _check_same_tokenizer(tokenizer, draft_tokenizer, path: str) -> None:

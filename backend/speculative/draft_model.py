@@ -1,19 +1,25 @@
 """Draft-model proposals: a smaller model with the target's tokenizer guesses each row's next tokens greedily, all of
 a step's drafting rows together, over its own paged KV cache (the same model code and attention ops as the target).
 
-A step's drafts take k forwards of the draft model: the first feeds each row whatever of its history the draft cache
-lacks (the whole prompt the first time; after that the tokens the last step emitted, as a short prefill), the rest
-feed the row's previous draft, one token a row. The drafts stay on the device between those forwards and reach the
-host once, at the end."""
+A step's drafting is one fixed-shape body, a CUDA graph per batch bucket (speculative/draft_graphs.py): each row feeds
+its history's last FEED tokens (at most that many are new to the draft cache after a drafted step: the last draft
+kept and the token after it; an older one fed again is written over with its own entry), the greedy pick after them
+is the first draft, and k - 1 one-token forwards feed each pick in turn. A row further behind (new, or back from the
+draft policy's pause) first has the rest fed by one eager forward. The drafts reach the host once, at the end."""
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
 
 from backend.ops.attention_metadata import AttentionMetadata
 from backend.speculative.draft_cache import DraftCache
+from backend.speculative.draft_graphs import DraftGraphs
 from backend.speculative.proposer import Proposer
 from backend.speculative.token_history import TokenHistory
+
+FEED = 2
 
 
 class DraftModelProposer(Proposer):
@@ -23,30 +29,38 @@ class DraftModelProposer(Proposer):
     name = "draft"
     drafts_together = True
 
-    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, vocab_size: int) -> None:
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, vocab_size: int, num_tokens: int,
+                 max_rows: int) -> None:
         """model: a LlamaFamilyModel; kv_cache: its own (L, 2, NB, BS, Hkv, D) tensor; vocab_size: the target's
-        (a draft whose head is wider never proposes a token the target lacks)."""
+        (a draft whose head is wider never proposes a token the target lacks); every step drafts num_tokens a row
+        (one asking for fewer gets the first ones) for at most max_rows rows."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.cache = DraftCache(kv_cache.shape[2], block_size)
         self.vocab_size = min(vocab_size, model.spec.vocab_size)
         self.max_len = model.spec.max_position_embeddings
+        self.k = num_tokens
         self._ready: dict[TokenHistory, list[int]] = {}  # this step's drafts, from prepare
-        self.forwards = 0
+        self.catch_ups = 0
+        columns = -(-self.max_len // block_size)
+        self._inputs = _StepInputs(max_rows, columns, num_tokens, self.device)
+        self.graphs = DraftGraphs(self._body, self.device, max_rows, columns, block_size)
+        self.graphs.capture_all()
 
     def prepare(self, histories: list[TokenHistory], ks: list[int]) -> None:
         self._ready = {}
-        rows = [(h, k) for h, k in zip(histories, ks) if k > 0 and len(h) + k <= self.max_len]
-        if not rows:
-            return
-        steps = max(k for _, k in rows)
-        starts = [self.cache.held(h) for h, _ in rows]
-        got = self.cache.reserve([h for h, _ in rows], [len(h) + steps - 1 for h, _ in rows])
-        kept = [(h, s) for (h, _), s, ok in zip(rows, starts, got) if ok]
+        rows = [h for h, k in zip(histories, ks) if k > 0 and FEED <= len(h) and len(h) + self.k <= self.max_len]
+        starts = [self.cache.held(h) for h in rows]
+        got = self.cache.reserve(rows, [len(h) + self.k - 1 for h in rows])
+        kept = [(h, s) for h, s, ok in zip(rows, starts, got) if ok]
         if not kept:
             return
-        drafts = self._draft([h for h, _ in kept], [s for _, s in kept], steps)
+        with self._stream():
+            behind = [(h, s) for h, s in kept if s < len(h) - FEED]
+            if behind:
+                self._catch_up(behind)
+            drafts = self._steady([h for h, _ in kept])
         for (history, _), row in zip(kept, drafts):
             self.cache.written(history, row[:-1])
             self._ready[history] = row
@@ -61,49 +75,105 @@ class DraftModelProposer(Proposer):
         self._ready = {}
         self.cache.clear()
 
-    @torch.inference_mode()
-    def _draft(self, histories: list[TokenHistory], starts: list[int], steps: int) -> list[list[int]]:
-        """`steps` greedy tokens after each history, whose first starts[i] tokens the cache already holds."""
-        lengths = np.array([len(h) for h in histories], dtype=np.int64)
-        tables = self._block_tables(histories)
-        fed = [h.tokens[s:] for h, s in zip(histories, starts)]
-        positions = np.concatenate([np.arange(s, n) for s, n in zip(starts, lengths)])
-        query_ends = np.cumsum([len(f) for f in fed])
-        token = self._forward(np.concatenate(fed), positions, tables, np.concatenate([[0], query_ends]), lengths,
-                              query_ends - 1, int(max(len(f) for f in fed)))
-        out = [token]
-        batch_starts = np.arange(len(histories) + 1)
-        for step in range(1, steps):
-            token = self._forward(token, lengths + step - 1, tables, batch_starts, lengths + step, None, 1)
-            out.append(token)
-        return torch.stack(out, dim=1).tolist()  # why: the one wait of a step's drafting: the host needs them now
+    def _stream(self):
+        """The draft's own stream on CUDA: its work never queues behind the engine's steps or into their streams."""
+        return torch.cuda.stream(self.graphs.stream) if self.graphs.stream is not None else contextlib.nullcontext()
 
-    def _forward(self, ids, positions: np.ndarray, tables: np.ndarray, query_start: np.ndarray,
-                 seq_lens: np.ndarray, last: np.ndarray | None, max_query: int) -> torch.Tensor:
-        """One forward of the draft model; each sequence's greedy token after its last fed token, on the device."""
+    @torch.inference_mode()
+    def _catch_up(self, rows: list[tuple[TokenHistory, int]]) -> None:
+        """One eager forward feeding each row's history from what the cache holds up to its last FEED tokens."""
+        self.catch_ups += 1
         bs, dev = self.cache.block_size, self.device
-        slots = tables[np.repeat(np.arange(len(seq_lens)), np.diff(query_start)), positions // bs] * bs + positions % bs
+        fed = [h.tokens[s:len(h) - FEED] for h, s in rows]
+        positions = np.concatenate([np.arange(s, len(h) - FEED) for h, s in rows])
+        tables = _block_tables([self.cache.blocks(h) for h, _ in rows])
+        owner = np.repeat(np.arange(len(rows)), [len(f) for f in fed])
+        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = np.array([len(h) - FEED for h, _ in rows], dtype=np.int32)
+        query_start = np.concatenate([[0], np.cumsum([len(f) for f in fed])]).astype(np.int32)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(dev),
-            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(query_start).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
             block_tables=torch.from_numpy(tables).to(dev),
-            max_query_len=max_query,
+            max_query_len=max(len(f) for f in fed),
             max_seq_len=int(seq_lens.max()),
         )
-        if not isinstance(ids, torch.Tensor):
-            ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(dev)
-        hidden = self.model(ids, torch.from_numpy(positions.astype(np.int64)).to(dev), self.kv_cache, meta)
-        if last is not None:
-            hidden = hidden[torch.from_numpy(last).to(dev)]
-        self.forwards += 1
-        logits = self.model.compute_logits(hidden)
+        ids = torch.from_numpy(np.concatenate(fed).astype(np.int64)).to(dev)
+        self.model(ids, torch.from_numpy(positions.astype(np.int64)).to(dev), self.kv_cache, meta)
+
+    def _steady(self, histories: list[TokenHistory]) -> list[list[int]]:
+        """The fixed-shape step over every row (the graph of its bucket on CUDA); each row's k drafts."""
+        n = len(histories)
+        bucket = self.graphs.bucket_for(n)
+        blocks = [self.cache.blocks(h) for h in histories]
+        columns = max(len(b) for b in blocks)
+        tokens = np.zeros((bucket, FEED), dtype=np.int64)
+        lengths = np.full(bucket, FEED, dtype=np.int64)  # rows past n: harmless, in the null block
+        tables = np.zeros((bucket, columns), dtype=np.int32)
+        for row, (history, b) in enumerate(zip(histories, blocks)):
+            tokens[row] = history.tokens[-FEED:]
+            lengths[row] = len(history)
+            tables[row, :len(b)] = b
+        self._inputs.fill(tokens, lengths, tables)
+        self.graphs.run(n, columns, int(lengths.max()) + self.k - 1)
+        return self._inputs.drafts[:n].tolist()  # why: the one wait of a step's drafting: the host needs them now
+
+    @torch.inference_mode()
+    def _body(self, rows: int, columns: int, max_len: int) -> None:
+        """What a graph holds: FEED tokens a row, then k - 1 one-token forwards, each row's picks into drafts."""
+        x = self._inputs
+        lengths, tables = x.lengths[:rows], x.block_tables[:rows, :columns]
+        positions = (lengths.unsqueeze(1) - FEED + x.feed_offsets).reshape(-1)  # (rows * FEED,)
+        token = self._pick(x.tokens[:rows].reshape(-1), positions, x.feed_owner[:rows * FEED], tables,
+                           x.feed_starts[:rows + 1], lengths, FEED, max_len)
+        x.drafts[:rows, 0] = token
+        for step in range(1, self.k):
+            token = self._pick(token, lengths + step - 1, x.row_ids[:rows], tables, x.row_starts[:rows + 1],
+                               lengths + step, 1, max_len)
+            x.drafts[:rows, step] = token
+
+    def _pick(self, ids: torch.Tensor, positions: torch.Tensor, owner: torch.Tensor, tables: torch.Tensor,
+              query_start: torch.Tensor, seq_lens: torch.Tensor, per_row: int, max_len: int) -> torch.Tensor:
+        """One forward, every row feeding per_row tokens; each row's greedy token after its last."""
+        bs = self.cache.block_size
+        slots = tables[owner, positions // bs].to(torch.int64) * bs + positions % bs
+        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=query_start,
+                                 seq_lens=seq_lens.to(torch.int32), block_tables=tables, max_query_len=per_row,
+                                 max_seq_len=max_len)
+        hidden = self.model(ids, positions, self.kv_cache, meta)
+        logits = self.model.compute_logits(hidden[per_row - 1::per_row])
         return logits[:, :self.vocab_size].argmax(dim=-1)
 
-    def _block_tables(self, histories: list[TokenHistory]) -> np.ndarray:
-        """(rows, most blocks) int32, unused entries 0."""
-        blocks = [self.cache.blocks(h) for h in histories]
-        tables = np.zeros((len(blocks), max(len(b) for b in blocks)), dtype=np.int32)
-        for row, b in enumerate(blocks):
-            tables[row, :len(b)] = b
-        return tables
+
+class _StepInputs:
+    """The steady step's device buffers at fixed addresses (what its graphs read and write), and its index tables."""
+
+    def __init__(self, max_rows: int, columns: int, k: int, device: torch.device) -> None:
+        def rows_of(*shape, dtype=torch.int64):
+            return torch.zeros(max_rows, *shape, dtype=dtype, device=device)
+
+        self.tokens, self.drafts = rows_of(FEED), rows_of(k)
+        self.lengths = torch.full((max_rows,), FEED, dtype=torch.int64, device=device)
+        self.block_tables = rows_of(columns, dtype=torch.int32)
+        self.feed_offsets = torch.arange(FEED, device=device)
+        self.row_ids = torch.arange(max_rows, device=device)
+        self.feed_owner = self.row_ids.repeat_interleave(FEED)
+        self.feed_starts = torch.arange(max_rows + 1, dtype=torch.int32, device=device) * FEED
+        self.row_starts = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
+
+    def fill(self, tokens: np.ndarray, lengths: np.ndarray, tables: np.ndarray) -> None:
+        """The first len(tokens) rows' inputs (the rows past a step's own already harmless); the block tables' first
+        columns only: a row's attention and writes never reach past its own blocks."""
+        n, columns = tables.shape
+        self.tokens[:n].copy_(torch.from_numpy(tokens))
+        self.lengths[:n].copy_(torch.from_numpy(lengths))
+        self.block_tables[:n, :columns].copy_(torch.from_numpy(tables))
+
+
+def _block_tables(blocks: list[list[int]]) -> np.ndarray:
+    """(rows, most blocks) int32, unused entries 0."""
+    tables = np.zeros((len(blocks), max(len(b) for b in blocks)), dtype=np.int32)
+    for row, b in enumerate(blocks):
+        tables[row, :len(b)] = b
+    return tables

@@ -46,5 +46,6 @@ def make_proposer(method: str, draft=None) -> Proposer:
 
         if draft is None:
             raise ValueError("speculative_method draft needs speculative_draft_model: the draft checkpoint")
-        return DraftModelProposer(draft.model, draft.kv_cache, draft.block_size, draft.target_vocab_size)
+        return DraftModelProposer(draft.model, draft.kv_cache, draft.block_size, draft.target_vocab_size,
+                                  draft.num_tokens, draft.max_rows)
     raise ValueError(f"speculative_method must be one of {', '.join(METHODS)}, got {method!r}")

@@ -30,10 +30,10 @@ def other(tmp_path_factory):
     return build_tiny("llama", str(tmp_path_factory.mktemp("tiny-draft")), seed=1)
 
 
-def _proposer(path, num_blocks=64, block_size=4):
+def _proposer(path, num_blocks=64, block_size=4, k=4):
     model = load_model(path)
     kv = torch.zeros(model.spec.kv_cache_shape(num_blocks, block_size))
-    return DraftModelProposer(model, kv, block_size, VOCAB)
+    return DraftModelProposer(model, kv, block_size, VOCAB, k, max_rows=8)
 
 
 def _draft(proposer, histories, ks):
@@ -73,11 +73,12 @@ def test_cache_evicts_the_least_recently_fed_and_never_lends_block_zero():
 # ---- the proposer --------------------------------------------------------------------------------------------------
 def test_drafts_are_the_draft_models_greedy_tokens(other):
     proposer = _proposer(other)
-    prompts = random_prompts([1, 6, 13, 30], seed=5)
+    prompts = random_prompts([2, 6, 13, 30, 1], seed=5)
     histories = [TokenHistory(p) for p in prompts]
-    got = _draft(proposer, histories, [4, 1, 3, 4])
-    assert got == [hf_greedy(other, p, k) for p, k in zip(prompts, [4, 1, 3, 4])]
-    assert proposer.forwards == 4  # a prefill, then one forward per further draft, every row together
+    got = _draft(proposer, histories, [4, 1, 3, 4, 4])
+    assert got[:4] == [hf_greedy(other, p, k) for p, k in zip(prompts, [4, 1, 3, 4])]
+    assert got[4] == []  # a single token: it drafts once it has two
+    assert proposer.catch_ups == 1  # one eager forward for the three rows with more than two tokens to feed
 
 
 def test_rejected_drafts_roll_back(other):
@@ -92,6 +93,9 @@ def test_rejected_drafts_roll_back(other):
             assert d == hf_greedy(other, h.tokens.tolist(), 4), (step, row)
             kept = (step + row) % 5  # 0..4 drafts kept, then a token of another choice
             h.extend(d[:kept] + ([(d[kept] + 1) % VOCAB] if kept < 4 else []))
+        if step == 2:  # a row the policy paused for a few steps falls behind, then catches up
+            histories[1].extend([7, 8, 9, 10])
+    assert proposer.catch_ups == 2
     for h in histories:
         proposer.finished(h, 0)
     assert proposer.cache.num_free_blocks == proposer.cache.num_blocks - 1
@@ -99,7 +103,7 @@ def test_rejected_drafts_roll_back(other):
 
 def test_rows_that_do_not_fit_propose_nothing(other):
     proposer = _proposer(other, num_blocks=4, block_size=4)  # 3 blocks: 12 positions
-    short, long = TokenHistory([3, 4]), TokenHistory(list(range(2, 14)))
+    short, long = TokenHistory([3, 4]), TokenHistory(list(range(2, 14)))  # 5 and 15 positions with the drafts
     got = _draft(proposer, [short, long], [4, 4])
     assert got[0] == hf_greedy(other, [3, 4], 4) and got[1] == []
 
