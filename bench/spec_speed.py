@@ -4,9 +4,10 @@ right, on a random-weight model shape (default the Llama-3-8B shape) where real 
 The drafts come from an oracle proposer, a benchmark device never offered to users: a run without speculation first
 records each request's greedy continuation; then, at every step, the oracle proposes the next k tokens of that
 continuation, each replaced by another token with probability 1 - alpha (so at alpha = 1 every draft is the model's
-own next token, at alpha = 0 none is). Greedy verification keeps the leading drafts equal to the model's tokens; if a
-verify step's rounding makes the model choose otherwise than in the recording, drafts after that are wrong, so the
-measured acceptance is printed beside the alpha asked for.
+own next token, at alpha = 0 none is). Greedy verification keeps the leading drafts equal to the model's tokens. With
+random weights' near-uniform logits, a verify step's other shapes round differently and part from the recording, so
+by default the weights are made peaked first (make_peaked: same cost, a next token no rounding changes); the
+measured acceptance and the share of outputs equal to the recording are printed beside the alpha asked for.
 
 For each batch size, in one process with one copy of the weights: the default engine (asynchronous pipeline, no
 speculation), the speculating engine with every request opting out, the speculating engine at each alpha with the
@@ -83,14 +84,33 @@ def timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingPar
     return outs, time.perf_counter() - start
 
 
+def make_peaked(model) -> None:
+    """Benchmark only: each layer's output projections zero and the LM head a copy of the embeddings (in place, so
+    captured graphs keep their addresses). The residual stream is then the last token's embedding, whose logit beats
+    every other by a wide margin: the next token is the last one again, and no rounding of any path (graph or eager,
+    one token or several a row) can change it, so a recorded continuation is what every step computes. Random
+    weights' near-uniform logits would otherwise let the verify step's other shapes flip the argmax and part from the
+    recording. The forward's cost does not depend on the weights' values."""
+    for layer in model.layers:
+        layer.o_weight.data.zero_()
+        layer.down_weight.data.zero_()
+    if model.lm_head is not model.embed_tokens:
+        model.lm_head.data.copy_(model.embed_tokens.data)
+
+
 def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int, drafting: Engine | None) -> list[dict]:
     rng = random.Random(batch)
     prompts = [[rng.randrange(3, min(vocab, 30000)) for _ in range(args.prompt_len)] for _ in range(batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    for engine in (plain, spec, *([drafting] if drafting else [])):  # warm: the first steps of a batch size pay for one-off set-up
-        engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, speculate=False))
+    plain.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm: one-off set-up
     outs, seconds = timed_generate(plain, prompts, params)
     recorded = {tuple(p): list(o.token_ids) for p, o in zip(prompts, outs)}
+    warm = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for engine in (spec, *([drafting] if drafting else [])):  # warm: drafted steps of this size compile their kernels
+        engine.speculator.policy = None
+        oracle = OracleProposer(recorded, args.prompt_len, 1.0, vocab)
+        engine.speculator.proposer = oracle if engine is spec else OracleDraftProposer(args.draft_proposer, oracle)
+        engine.generate(prompts, warm)
     tokens = batch * args.max_tokens
     rows = [dict(batch=batch, mode="async, no speculation", alpha=None, tok_per_s=tokens / seconds)]
     opt_out = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, speculate=False)
@@ -98,11 +118,10 @@ def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int, draftin
     rows.append(dict(batch=batch, mode="speculating, opted out", alpha=None, tok_per_s=tokens / seconds))
     runs = [(alpha, True, spec) for alpha in args.alphas] + [(alpha, False, spec) for alpha in args.every_step_alphas]
     runs += [(alpha, True, drafting) for alpha in (args.draft_alphas if drafting else [])]
-    draft_proposer = drafting.speculator.proposer if drafting else None
     for alpha, adaptive, engine in runs:
         engine.speculator.policy = DraftPolicy(args.k) if adaptive else None  # a fresh policy: nothing learnt
         oracle = OracleProposer(recorded, args.prompt_len, alpha, vocab, seed=batch)
-        engine.speculator.proposer = oracle if engine is spec else OracleDraftProposer(draft_proposer, oracle)
+        engine.speculator.proposer = oracle if engine is spec else OracleDraftProposer(args.draft_proposer, oracle)
         before = engine.speculator.counts()
         got, seconds = timed_generate(engine, prompts, params)
         after = engine.speculator.counts()
@@ -136,6 +155,9 @@ def main(argv=None) -> int:
                         help="a draft model (e.g. random:llama-3.2-1b): runs at --draft-alphas with its forwards done "
                              "but the oracle's drafts handed out, so its cost shows at a chosen acceptance")
     parser.add_argument("--draft-alphas", default="0.8")
+    parser.add_argument("--peaked", action=argparse.BooleanOptionalAction, default=True,
+                        help="make the model's next token its last one by a wide margin (make_peaked), so every path "
+                             "computes the recorded continuation")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args(argv)
@@ -154,6 +176,9 @@ def main(argv=None) -> int:
         drafting = Engine(EngineConfig(**common, speculative_method="draft", speculative_draft_model=args.draft_model,
                                        num_speculative_tokens=args.k), model=plain.parts.model,
                           tokenizer=plain.tokenizer)
+        args.draft_proposer = drafting.speculator.proposer
+    if args.peaked:
+        make_peaked(plain.parts.model)
     vocab = plain.spec.vocab_size
     rows = []
     try:
