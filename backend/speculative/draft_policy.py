@@ -13,7 +13,8 @@ read first), and every draft is a token of compute. So drafting is the exception
 - per batch-size bucket, the tokens a second of drafted steps gave is compared with plain steps'; a bucket whose
   drafted steps give less stops drafting until its own probe step, with the same doubling back-off. Plain steps are
   measured only in runs (the first plain step after a drafted one emits nothing: its tokens are read a step later),
-  and where a bucket's plain figure is older than STALE steps its next CONTROL_RUN steps run plain to renew it."""
+  and where a bucket that drafted has no plain figure yet (its rows drafted from their first step) or one older than
+  STALE steps, its next CONTROL_RUN steps run plain to measure it."""
 from __future__ import annotations
 
 import math
@@ -118,7 +119,7 @@ class DraftPolicy:
             return True
         if step < rates.control_until:
             return False
-        if rates.drafted and step - rates.plain_at > STALE:
+        if rates.drafted and (not rates.plain or step - rates.plain_at > STALE):
             rates.control_until = step + CONTROL_RUN
             return False
         return rates.backoff == 1 or step % rates.backoff == 0

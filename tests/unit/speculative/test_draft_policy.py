@@ -91,6 +91,24 @@ def test_a_batch_size_where_drafted_steps_lose_stops_drafting_and_renews_its_pla
     assert [policy.due(s, 64) for s in range(later, later + CONTROL_RUN)] == [False] * CONTROL_RUN
 
 
+def test_a_batch_size_that_drafted_from_its_first_step_measures_plain_steps_then_stops():
+    """Rows that keep their drafts draft from their first step, so no plain figure exists; the bucket runs
+    CONTROL_RUN plain steps after its first drafted one, and then, its drafted steps being slower, mostly plain."""
+    policy = DraftPolicy(4)
+    for _ in range(20):
+        policy.verified("r", 4, 4)
+    assert policy.due(1, 32)
+    policy.step_done(1, 32, True, 99, 0.025)  # 3,960 tok/s
+    assert [policy.due(s, 32) for s in range(2, 2 + CONTROL_RUN)] == [False] * CONTROL_RUN
+    for s in range(2, 2 + CONTROL_RUN):
+        policy.step_done(s, 32, False, 32, 0.0063)  # 5,080 tok/s (the first one not measured)
+    step = 2 + CONTROL_RUN
+    assert policy.due(step, 32)
+    policy.step_done(step, 32, True, 99, 0.025)
+    allowed = [s for s in range(step + 1, step + 1 + 2 * MAX_BACKOFF) if policy.due(s, 32)]
+    assert len(allowed) <= 2 * MAX_BACKOFF // 2  # the bucket backs off
+
+
 def test_the_first_plain_step_after_a_drafted_one_is_not_measured():
     policy = DraftPolicy(4)
     policy.step_done(1, 16, True, 40, 0.010)  # 4,000 tok/s
