@@ -25,6 +25,24 @@ def expand_rows(st: SamplingTensors, positions: int | Sequence[int],
     one a position. With penalties, each row's token tables are repeated too and a position's outputs gain the
     drafts before it, as if they had been made: drafts[r] are row r's (its output table must already hold the
     step's input token)."""
+    repeat, step_index = _repeater(st, positions)
+    tables = {}
+    if st.any_penalty:
+        counts = [positions] * st.batch_size if isinstance(positions, int) else list(positions)
+        if drafts is None or [1 + len(d) for d in drafts] != counts:
+            raise ValueError("rows with penalties need their drafts, one position each after the first")
+        rows = st.batch_size  # the tables may hold more rows than the step samples
+        tables = dict(prompt_token_ids=repeat(st.prompt_token_ids[:rows]),
+                      output_token_ids=torch.cat([repeat(st.output_token_ids[:rows]),
+                                                  _drafts_before(drafts, st.step_index.device)], 1))
+    return replace(st, temperature=repeat(st.temperature), top_k=repeat(st.top_k), top_p=repeat(st.top_p),
+                   min_p=repeat(st.min_p), repetition_penalty=repeat(st.repetition_penalty),
+                   presence_penalty=repeat(st.presence_penalty), frequency_penalty=repeat(st.frequency_penalty),
+                   seeds=repeat(st.seeds), step_index=step_index, **tables)
+
+
+def _repeater(st: SamplingTensors, positions: int | Sequence[int]):
+    """(a function repeating each row's entry once a position, the positions' step indices)."""
     device = st.step_index.device
     if isinstance(positions, int):
         if positions < 1:
@@ -34,34 +52,19 @@ def expand_rows(st: SamplingTensors, positions: int | Sequence[int],
         def repeat(t: torch.Tensor) -> torch.Tensor:
             return t.repeat_interleave(positions, dim=0)
 
-        step_index = (st.step_index.unsqueeze(1) + offsets).reshape(-1)
-    else:
-        counts = list(positions)
-        if len(counts) != st.batch_size or min(counts, default=1) < 1:
-            raise ValueError(f"need one count >= 1 per row ({st.batch_size} rows), got {counts}")
-        total = sum(counts)
-        sizes = torch.tensor(counts, dtype=torch.int64, device=device)
-        starts = torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.int64, device=device)
+        return repeat, (st.step_index.unsqueeze(1) + offsets).reshape(-1)
+    counts = list(positions)
+    if len(counts) != st.batch_size or min(counts, default=1) < 1:
+        raise ValueError(f"need one count >= 1 per row ({st.batch_size} rows), got {counts}")
+    total = sum(counts)
+    sizes = torch.tensor(counts, dtype=torch.int64, device=device)
+    starts = torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.int64, device=device)
 
-        def repeat(t: torch.Tensor) -> torch.Tensor:
-            return t.repeat_interleave(sizes, dim=0, output_size=total)
+    def repeat_each(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(sizes, dim=0, output_size=total)
 
-        within = torch.arange(total, dtype=torch.int64, device=device) - repeat(starts)
-        step_index = repeat(st.step_index) + within.to(st.step_index.dtype)
-
-    tables = {}
-    if st.any_penalty:
-        counts = [positions] * st.batch_size if isinstance(positions, int) else list(positions)
-        if drafts is None or [1 + len(d) for d in drafts] != counts:
-            raise ValueError("rows with penalties need their drafts, one position each after the first")
-        rows = st.batch_size  # the tables may hold more rows than the step samples
-        tables = dict(prompt_token_ids=repeat(st.prompt_token_ids[:rows]),
-                      output_token_ids=torch.cat([repeat(st.output_token_ids[:rows]), _drafts_before(drafts, device)],
-                                                 1))
-    return replace(st, temperature=repeat(st.temperature), top_k=repeat(st.top_k), top_p=repeat(st.top_p),
-                   min_p=repeat(st.min_p), repetition_penalty=repeat(st.repetition_penalty),
-                   presence_penalty=repeat(st.presence_penalty), frequency_penalty=repeat(st.frequency_penalty),
-                   seeds=repeat(st.seeds), step_index=step_index, **tables)
+    within = torch.arange(total, dtype=torch.int64, device=device) - repeat_each(starts)
+    return repeat_each, repeat_each(st.step_index) + within.to(st.step_index.dtype)
 
 
 def _drafts_before(drafts: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
