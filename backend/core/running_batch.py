@@ -116,9 +116,9 @@ class RunningBatch:
         self._arange = np.arange(16)
         self._set_arrays(np.zeros((len(self._INTS), 0), dtype=np.int64))
         # the rows' tokens that end a request, each with the number of rows it ends: a step that samples one is
-        # checked row by row; and how many rows are not plain greedy, edit logits, or report logprobs
+        # checked row by row; and how many rows are not plain greedy, edit logits, follow a grammar, or may draft
         self._stop_counts: Counter = Counter()
-        self.stop_ids: frozenset = frozenset()  # and rows that may speculate:
+        self.stop_ids: frozenset = frozenset()
         self._not_plain = self._editing = self._constrained = self._may_draft = 0
         # rows whose every token the update checks: they report logprobs or advance a grammar's matcher
         self._checked: set[Request] = set()
