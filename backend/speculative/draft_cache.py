@@ -38,9 +38,10 @@ class DraftCache:
     def __len__(self) -> int:
         return len(self._sequences)
 
-    def held(self, history: TokenHistory) -> int:
-        """Leading tokens of history the cache holds; at most len(history) - 1, so a step always feeds at least the
-        last token (its logits give the first draft). The drafts it held past them are dropped."""
+    def reconcile(self, history: TokenHistory) -> int:
+        """Leading tokens of history the cache holds, its entry brought up to date: at most len(history) - 1, so a
+        step always feeds at least the last token (its logits give the first draft); the drafts it held past them
+        are dropped."""
         seq = self._sequences.get(history)
         if seq is None:
             return 0

@@ -51,7 +51,7 @@ class DraftModelProposer(Proposer):
     def prepare(self, histories: list[TokenHistory], ks: list[int]) -> None:
         self._ready = {}
         rows = [h for h, k in zip(histories, ks) if k > 0 and FEED <= len(h) and len(h) + self.k <= self.max_len]
-        starts = [self.cache.held(h) for h in rows]
+        starts = [self.cache.reconcile(h) for h in rows]
         got = self.cache.reserve(rows, [len(h) + self.k - 1 for h in rows])
         kept = [(h, s) for h, s, ok in zip(rows, starts, got) if ok]
         if not kept:
@@ -106,15 +106,14 @@ class DraftModelProposer(Proposer):
         """The fixed-shape step over every row (the graph of its bucket on CUDA); each row's k drafts."""
         n = len(histories)
         bucket = self.graphs.bucket_for(n)
-        blocks = [self.cache.blocks(h) for h in histories]
-        columns = max(len(b) for b in blocks)
+        # rows past n: harmless, in the null block
+        tables = _block_tables([self.cache.blocks(h) for h in histories] + [[]] * (bucket - n))
+        columns = tables.shape[1]
         tokens = np.zeros((bucket, FEED), dtype=np.int64)
-        lengths = np.full(bucket, FEED, dtype=np.int64)  # rows past n: harmless, in the null block
-        tables = np.zeros((bucket, columns), dtype=np.int32)
-        for row, (history, b) in enumerate(zip(histories, blocks)):
+        lengths = np.full(bucket, FEED, dtype=np.int64)
+        for row, history in enumerate(histories):
             tokens[row] = history.tokens[-FEED:]
             lengths[row] = len(history)
-            tables[row, :len(b)] = b
         self._inputs.fill(tokens, lengths, tables)
         self.graphs.run(n, columns, int(lengths.max()) + self.k - 1)
         return self._inputs.drafts[:n].tolist()  # why: the one wait of a step's drafting: the host needs them now

@@ -85,9 +85,8 @@ class Speculator:
         if self.proposer.drafts_together:
             self._prepare(batch, step, min(tokens_left, rows_left))
         for row, req in enumerate(rb.requests):
-            # the row's token count may not pass its cap (max_tokens, max_model_len): the drafts never outrun it
-            k = min(self.k, tokens_left, rows_left, int(rb.token_cap[row] - rb.computed[row]) - 1)
-            guess = self._guess(req, step, k) if k > 0 and req.may_speculate else []
+            k = self._limit(rb, row, min(tokens_left, rows_left))
+            guess = self._guess(req, step, k) if k > 0 else []
             if not guess:
                 continue
             held = len(req.block_ids)
@@ -108,13 +107,20 @@ class Speculator:
         rb = batch.rows
         histories, ks = [], []
         for row, req in enumerate(rb.requests):
-            k = min(self.k, room, int(rb.token_cap[row] - rb.computed[row]) - 1)
-            if k > 0 and req.may_speculate and self.policy is not None:
+            k = self._limit(rb, row, room)
+            if k > 0 and self.policy is not None:
                 k = self.policy.draft_length(req, step, k)
-            if k > 0 and req.may_speculate:
+            if k > 0:
                 histories.append(self._history(req))
                 ks.append(k)
         self.proposer.prepare(histories, ks)
+
+    def _limit(self, rb, row: int, room: int) -> int:
+        """The most drafts row may take: k, the step's room, and its cap (max_tokens, max_model_len: the drafts
+        never outrun it); 0 for a request that does not speculate."""
+        if not rb.requests[row].may_speculate:
+            return 0
+        return min(self.k, room, int(rb.token_cap[row] - rb.computed[row]) - 1)
 
     def _guess(self, req: Request, step: int, limit: int) -> list[int]:
         """req's drafts at this step: as many as the policy allows (at most limit) and its KV blocks can hold."""

@@ -45,17 +45,17 @@ def _draft(proposer, histories, ks):
 def test_cache_keeps_the_history_and_the_drafts_it_agrees_with():
     cache = DraftCache(num_blocks=8, block_size=4)
     h = TokenHistory([5, 6, 7])
-    assert cache.held(h) == 0
+    assert cache.reconcile(h) == 0
     assert cache.reserve([h], [3 + 3]) == [True] and cache.blocks(h) == [1, 2]
     cache.written(h, [8, 9, 10])  # the history's 3 tokens and 3 drafts are in the cache
     h.extend([8, 9, 4])  # two drafts kept, the third replaced
-    assert cache.held(h) == 5
+    assert cache.reconcile(h) == 5
     h.extend([11])
-    assert cache.held(h) == 5  # nothing past what was confirmed
+    assert cache.reconcile(h) == 5  # nothing past what was confirmed
     h2 = TokenHistory([1, 2])
     cache.reserve([h2], [2])
     cache.written(h2, [])
-    assert cache.held(h2) == 1  # all of it held: the last token is fed again, for its logits
+    assert cache.reconcile(h2) == 1  # all of it held: the last token is fed again, for its logits
 
 
 def test_cache_evicts_the_least_recently_fed_and_never_lends_block_zero():
@@ -64,7 +64,7 @@ def test_cache_evicts_the_least_recently_fed_and_never_lends_block_zero():
     assert cache.reserve([a], [8]) == [True]
     assert cache.reserve([b], [8]) == [True] and cache.num_free_blocks == 0
     assert cache.reserve([c], [8]) == [True]  # a, fed longest ago, gave its blocks
-    assert len(cache) == 2 and cache.held(a) == 0 and 0 not in cache.blocks(b) + cache.blocks(c)
+    assert len(cache) == 2 and cache.reconcile(a) == 0 and 0 not in cache.blocks(b) + cache.blocks(c)
     assert cache.reserve([b, c, a], [8, 8, 8]) == [True, True, False]  # the step's own rows are never evicted
     cache.clear()
     assert cache.num_free_blocks == 4 and len(cache) == 0
