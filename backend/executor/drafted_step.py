@@ -1,6 +1,7 @@
 """A step whose decode rows carry drafted tokens: its packed inputs widened (each row's drafts after its token), one
 eager forward with logits at every drafted position, every position sampled as the row's later steps would be
-(verify.expand_rows), and all of them read back. CUDA graphs are not used for such steps."""
+(verify.expand_rows), and all of them read back. The forward replays a mixed or verify graph for the step's token
+count where one holds its logits rows (graphs.py), else it runs eagerly; the sampling is eager."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,13 +32,19 @@ class DraftedSteps:
         tokens = batch.num_tokens + drafts.num_drafted
         width = -(-max_len // r.block_size)
         longest_query = max(max(batch.num_new_tokens), max(drafts.counts))
+        graph = r.graphs.verify_bucket_for(tokens, rows) if r.graphs is not None else None
+        if graph is not None:
+            r.packer.pad_mixed(slot, len(batch), tokens, graph[1], rows, r.graphs.verify_logits_rows(graph))
 
-        def forward() -> tuple[bool, float]:
+        def forward() -> tuple[bool, float | None]:
+            if graph is not None:
+                st.logits = r.graphs.replay_verify(slot, graph)
+                return not r.graphs.eager, r.graphs.idle_of(graph)
             st.logits = r._eager_forward(slot, len(batch), tokens, width, max_len, longest_query, None, rows)
             return False, 0.0
 
         def sample() -> tuple[int, bool, float]:
-            logits = st.logits
+            logits = st.logits[:rows]  # a graph's padding rows past them
             firsts = torch.tensor(starts, device=logits.device)  # each sampled row's first position
             if sampling.any_penalty:  # a position's outputs: the row's, its input token, the drafts before it
                 r.append_input_tokens(slot, sampling, len(starts), firsts)
@@ -47,7 +54,7 @@ class DraftedSteps:
                 logits[firsts] = own
             if batch.rows.any_constrained or any(req.grammar is not None for req in st.sampled[batch.num_rows:]):
                 # after the edits, as on one-token steps: a grammar's ban stands whatever a bias adds
-                r.grammar_masks.apply_drafted(logits[:rows], st.sampled, drafts.drafts, slot.index)
+                r.grammar_masks.apply_drafted(logits, st.sampled, drafts.drafts, slot.index)
             r.sampler.sample_into(logits, expand_rows(sampling, drafts.counts, drafts.drafts), slot.targets)
             return rows, False, 0.0
 

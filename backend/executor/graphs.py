@@ -4,7 +4,10 @@ A decode graph holds carry-over + forward + logits + the greedy pick for a bucke
 holds carry-over + forward + logits for a bucket of up to 8,192 tokens: prefill chunks beside decode rows, every
 sequence slot of the layout present (the ones the step leaves empty have no tokens), so the step's token count picks
 the graph and nothing else. Its attention kernel finds each program's sequence on the device, so the varying query lengths of a
-mixed step need no host value at capture time. Where the ops have a fused sampler, each decode bucket also has two
+mixed step need no host value at capture time. Where a step's rows may take drafted tokens (speculation: more logits rows
+than sequences), a verify graph holds the same body for each token bucket above the sequence limit with logits at
+every token, up to the layout's rows: a drafted step replays the mixed graph of its token count when that graph's
+logits cover its rows, else this one. Where the ops have a fused sampler, each decode bucket also has two
 sampler graphs, replayed after the decode or mixed graph by steps that sample: one with top-k's passes, one without
 for steps in which no row has top-k.
 
@@ -64,7 +67,10 @@ class DecodeGraphs:
         if mixed is not None:
             top = min(layout.max_tokens, _TOKEN_BUCKETS[-1])
             self.token_buckets = [b for b in _TOKEN_BUCKETS if b < top] + [top]
+        # token buckets whose mixed graph computes fewer logits rows than a drafted step of that many tokens may need
+        self.verify_buckets = self._verify_buckets(layout) if mixed is not None else []
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.verify_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.sampler_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (slot, bucket, top-k)
         self.samples = sample is not None and not self.eager  # sampled steps replay a sampler graph
@@ -75,8 +81,8 @@ class DecodeGraphs:
             return
         self.pool = torch.cuda.graph_pool_handle()
         # the LM head writes here, outside the pool, in the model's dtype: read by the sampler
-        rows = max(self.buckets[-1], *(self.logits_rows(t) for t in self.token_buckets)) if self.token_buckets \
-            else self.buckets[-1]
+        rows = max([self.buckets[-1]] + [self.logits_rows(t) for t in self.token_buckets]
+                   + [self.verify_rows(t) for t in self.verify_buckets])
         self.logits = torch.empty(rows, spec.vocab_size, dtype=spec.dtype, device=device)
 
     def bucket_for(self, batch_size: int) -> int | None:
@@ -92,6 +98,28 @@ class DecodeGraphs:
         """Rows a mixed graph computes logits for: every sampled row of any step of that many tokens."""
         return min(token_bucket, self.layout.max_seqs)
 
+    def verify_rows(self, token_bucket: int) -> int:
+        """Rows a verify graph computes logits for: every token, up to the layout's rows."""
+        return min(token_bucket, self.layout.max_rows)
+
+    def _verify_buckets(self, layout) -> list[int]:
+        """Token buckets above the sequence limit, up to the first that holds the layout's rows: a drafted step of
+        more tokens has prefill chunks among them and runs eagerly."""
+        if layout.max_rows <= layout.max_seqs:
+            return []
+        top = self.token_bucket_for(layout.max_rows)
+        return [t for t in self.token_buckets if layout.max_seqs < t <= (top or self.token_buckets[-1])]
+
+    def verify_bucket_for(self, num_tokens: int, num_rows: int) -> tuple[str, int] | None:
+        """The graph for a drafted step of num_tokens tokens and num_rows logits rows: ("mixed", bucket) or
+        ("verify", bucket); None: no graph holds it (it runs eagerly)."""
+        tokens = self.token_bucket_for(num_tokens)
+        if tokens is None:
+            return None
+        if num_rows <= self.logits_rows(tokens):
+            return "mixed", tokens
+        return ("verify", tokens) if tokens in self.verify_buckets and num_rows <= self.verify_rows(tokens) else None
+
     def capture_all(self) -> None:
         """Capture every bucket for both slots, largest first so smaller graphs reuse its pool memory."""
         if self.eager:
@@ -104,6 +132,8 @@ class DecodeGraphs:
         for slot in pipe.slots:
             for tokens in reversed(self.token_buckets):
                 self._capture_mixed(slot, pipe.other(slot), tokens)
+            for tokens in reversed(self.verify_buckets):
+                self._capture_verify(slot, pipe.other(slot), tokens)
             self._prepare(slot)
             for bucket in reversed(self.buckets):
                 self._capture(slot, pipe.other(slot), bucket)
@@ -128,6 +158,9 @@ class DecodeGraphs:
         for tokens in self.token_buckets:
             replays.append((("mixed", tokens), lambda t=tokens: self._prepare(slot, t),
                             self.mixed_graphs[(0, tokens)].replay))
+        for tokens in self.verify_buckets:
+            replays.append((("verify", tokens), lambda t=tokens: self._prepare(slot, t),
+                            self.verify_graphs[(0, tokens)].replay))
         self.idle = measure_graph_idle(replays, self.pipeline.compute_stream)
         self._prepare(slot)
 
@@ -156,8 +189,8 @@ class DecodeGraphs:
         return self.forward(slot, prev_slot, bucket, width, max_len or width * self.block_size,
                             None if self.eager else self.logits[:bucket])
 
-    def _mixed_body(self, slot, prev_slot, tokens: int) -> torch.Tensor:
-        rows = self.logits_rows(tokens)
+    def _mixed_body(self, slot, prev_slot, tokens: int, rows: int | None = None) -> torch.Tensor:
+        rows = rows or self.logits_rows(tokens)
         return self.mixed(slot, prev_slot, tokens, rows, None if self.eager else self.logits[:rows])
 
     def _record(self, body: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -185,6 +218,12 @@ class DecodeGraphs:
         self._prepare(slot, tokens)
         self.mixed_graphs[(slot.index, tokens)] = self._record(lambda: self._mixed_body(slot, prev_slot, tokens))
 
+    def _capture_verify(self, slot, prev_slot, tokens: int) -> None:
+        self._prepare(slot, tokens)
+        rows = self.verify_rows(tokens)
+        self.verify_graphs[(slot.index, tokens)] = self._record(
+            lambda: self._mixed_body(slot, prev_slot, tokens, rows))
+
     def has_sampler(self, slot, bucket: int) -> bool:
         return (slot.index, bucket, True) in self.sampler_graphs
 
@@ -208,3 +247,19 @@ class DecodeGraphs:
             return self._mixed_body(slot, self.pipeline.other(slot), tokens)
         self.mixed_graphs[(slot.index, tokens)].replay()
         return self.logits[:self.logits_rows(tokens)]
+
+    def verify_logits_rows(self, graph: tuple[str, int]) -> int:
+        """Logits rows the graph verify_bucket_for chose computes."""
+        kind, tokens = graph
+        return self.logits_rows(tokens) if kind == "mixed" else self.verify_rows(tokens)
+
+    def replay_verify(self, slot, graph: tuple[str, int]) -> torch.Tensor:
+        """Replay the graph verify_bucket_for chose for (slot, its token bucket); returns its logits (rows, V)."""
+        kind, tokens = graph
+        if kind == "mixed":
+            return self.replay_mixed(slot, tokens)
+        rows = self.verify_logits_rows(graph)
+        if self.eager:
+            return self._mixed_body(slot, self.pipeline.other(slot), tokens, rows)
+        self.verify_graphs[(slot.index, tokens)].replay()
+        return self.logits[:rows]

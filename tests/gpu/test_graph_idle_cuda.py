@@ -18,11 +18,16 @@ def _engine(tmp_path, **kw) -> Engine:
                                max_num_batched_tokens=256, attention_backend="triton", **kw))
 
 
-def test_every_captured_graph_has_its_idle_time(tmp_path):
-    engine = _engine(tmp_path)
+@pytest.mark.parametrize("speculation", [{}, dict(speculative_method="ngram", num_speculative_tokens=4)],
+                         ids=["plain", "speculative"])
+def test_every_captured_graph_has_its_idle_time(tmp_path, speculation):
+    """Speculation adds verify graphs: 16 sequences of 5 positions are 80 logits rows, the 32- to 128-token ones."""
+    engine = _engine(tmp_path, **speculation)
     try:
         graphs = engine.runner.graphs
+        assert graphs.verify_buckets == ([32, 64, 128] if speculation else [])
         want = {("decode", b) for b in graphs.buckets} | {("mixed", t) for t in graphs.token_buckets}
+        want |= {("verify", t) for t in graphs.verify_buckets}
         if graphs.samples:
             want |= {("sampler", b, k) for b in graphs.buckets for k in (True, False)}
         assert graphs.idle is not None and set(graphs.idle) == want

@@ -220,3 +220,32 @@ def test_dependent_launch_decode_splits_launches_by_kind_of_step(model_path, tor
         assert pdl == (group == "small decode"), (name, kind, pdl)
         kinds[group] += 1
     assert set(kinds) == {"mixed", "small decode", "large decode"}, kinds
+
+
+def test_drafted_steps_replay_the_mixed_or_a_verify_graph(model_path, torch_tokens, monkeypatch):
+    """Speculation on the Triton path with graphs (their bodies here): every row drafts an oracle's tokens (every
+    third proposal with a wrong last draft), and each drafted step replays the mixed graph of its token count where
+    that graph's logits rows (8, the sequence limit) hold every drafted position, else the verify graph of that count;
+    the greedy tokens equal the torch path's."""
+    from backend.executor.graphs import DecodeGraphs
+    from tests.unit.speculative.test_engine_speculation import OracleProposer
+
+    chosen = []  # the graph of each drafted step
+    replay_verify = DecodeGraphs.replay_verify
+    monkeypatch.setattr(DecodeGraphs, "replay_verify",
+                        lambda self, slot, graph: chosen.append(graph) or replay_verify(self, slot, graph))
+    prompts = random_prompts(PROMPT_LENS, seed=3)
+    engine = Engine(EngineConfig(model=model_path, **SETTINGS, attention_backend="triton", cuda_graphs=True,
+                                 async_pipeline=True, max_num_seqs=8, speculative_method="ngram",
+                                 num_speculative_tokens=4, speculative_adaptive=False))
+    try:
+        engine.speculator.proposer = OracleProposer([list(p) + t for p, t in zip(prompts, torch_tokens)])
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+        tokens = [o.token_ids for o in engine.generate(prompts, params)]
+        counts = engine.speculator.counts()
+    finally:
+        engine.shutdown()
+    assert tokens == torch_tokens
+    assert 0 < counts["spec_accepted_tokens"] < counts["spec_proposed_tokens"]
+    assert {kind for kind, _ in chosen} == {"mixed", "verify"}, chosen
+    assert counts["spec_steps"] == len(chosen)
