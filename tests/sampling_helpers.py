@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from backend.executor.sampler import _NUM_FLOAT_FIELDS, SamplingTensors, _most_logprobs, _param_columns, \
-    _seeds_array, _to_device, fill_padding_rows, pad_token_table, row_flags, tensors_from_rows
+    _seeds_array, host_to_device, fill_padding_rows, pad_token_table, row_flags, tensors_from_rows
 from backend.request import SamplingParams
 
 
@@ -55,7 +55,7 @@ def sampling_tensors_from_params(
     host_i = np.empty((2, n), dtype=np.int64)
     host_k = np.empty((n,), dtype=np.int32)
     flags = fill_host_rows(params, seeds, step_indices, host_f, host_i, host_k)
-    dev_f, dev_i, dev_k = (_to_device(a, device) for a in (host_f, host_i, host_k))
+    dev_f, dev_i, dev_k = (host_to_device(a, device) for a in (host_f, host_i, host_k))
     prompt, output = _penalty_tokens(flags["any_penalty"], prompt_token_ids, output_token_ids, n, device)
     return assemble_tensors(dev_f, dev_i, dev_k, prompt, output, flags)
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from backend.executor.runner import ModelRunner
+from backend.executor.sampler import host_to_device
 from backend.speculative.speculator import StepDrafts
 from backend.speculative.verify import expand_rows
 from backend.step_records import StepResult, StepState
@@ -45,7 +46,7 @@ class DraftedSteps:
 
         def sample() -> tuple[int, bool, float]:
             logits = st.logits[:rows]  # a graph's padding rows past them
-            firsts = torch.tensor(starts, device=logits.device)  # each sampled row's first position
+            firsts = host_to_device(np.asarray(starts, dtype=np.int64), logits.device)  # each row's first position
             if sampling.any_penalty:  # a position's outputs: the row's, its input token, the drafts before it
                 r.append_input_tokens(slot, sampling, len(starts), firsts)
             if edits is not None:  # rows with edits draft nothing: their one position is their first

@@ -171,8 +171,9 @@ def fill_padding_rows(host_f, host_i, host_k) -> None:
     host_k[:] = 0
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array to the device; through pinned memory and without blocking on CUDA."""
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array to the device; through pinned memory and without blocking on CUDA (a pageable copy would wait for
+    the stream's queued work: the GPU would drain before the host could queue more)."""
     if device.type != "cuda":
         return torch.from_numpy(array).to(device)
     return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
@@ -191,7 +192,7 @@ def pad_token_table(rows: Sequence[Sequence[int]], size: int, device: torch.devi
     else:
         flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
     table[np.arange(width) < lengths[:, None]] = flat  # row-major fill matches the concatenation order
-    return _to_device(table, device)
+    return host_to_device(table, device)
 
 
 def tensors_from_rows(rows: tuple[torch.Tensor, ...], prompt, output, flags) -> SamplingTensors:

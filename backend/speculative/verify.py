@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from backend.executor.sampler import SamplingTensors
+from backend.executor.sampler import SamplingTensors, host_to_device
 
 
 def expand_rows(st: SamplingTensors, positions: int | Sequence[int],
@@ -57,8 +57,8 @@ def _repeater(st: SamplingTensors, positions: int | Sequence[int]):
     if len(counts) != st.batch_size or min(counts, default=1) < 1:
         raise ValueError(f"need one count >= 1 per row ({st.batch_size} rows), got {counts}")
     total = sum(counts)
-    sizes = torch.tensor(counts, dtype=torch.int64, device=device)
-    starts = torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.int64, device=device)
+    sizes = host_to_device(np.asarray(counts, dtype=np.int64), device)
+    starts = host_to_device(np.cumsum([0] + counts[:-1], dtype=np.int64), device)
 
     def repeat_each(t: torch.Tensor) -> torch.Tensor:
         return t.repeat_interleave(sizes, dim=0, output_size=total)
@@ -71,7 +71,7 @@ def _drafts_before(drafts: Sequence[Sequence[int]], device: torch.device) -> tor
     """(positions, longest draft) int64: at row r's position i, its first i drafts, then -1 (no token)."""
     width = max((len(d) for d in drafts), default=0)
     rows = [list(d[:i]) + [-1] * (width - i) for d in drafts for i in range(1 + len(d))]
-    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width).to(device)
+    return host_to_device(np.asarray(rows, dtype=np.int64).reshape(len(rows), width), device)
 
 
 def accepted_lengths(drafts: torch.Tensor, draft_lengths: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
