@@ -111,6 +111,7 @@ class EngineLoop:
             time.sleep(0.001)  # nothing could be scheduled (cannot happen with valid requests); don't spin
         elif self.speculator is not None and batch is not None:
             self.speculator.step_done(self.steps, batch.num_rows, False, emitted, time.perf_counter() - began)
+            self.speculator.watch(self.scheduler.batch.requests, self.steps)
         tl.next_step()
         self.refresh_stats()
         return batch is not None or prev is not None
@@ -152,6 +153,7 @@ class EngineLoop:
             emitted += self._complete_drafted(cur, drafts)
         self.speculator.step_done(self.steps, batch.num_rows, drafts is not None, emitted,
                                   time.perf_counter() - began)
+        self.speculator.watch(self.scheduler.batch.requests, self.steps)
         tl.next_step()
         self.refresh_stats()
         return True

@@ -51,6 +51,8 @@ class Speculator:
         self.max_step_tokens = max_step_tokens  # a slot's token buffers
         self.max_step_rows = max_step_rows  # a slot's logits and sampling rows: every drafted position takes one
         self._histories: dict[Request, TokenHistory] = {}
+        # watching rows' unverified guesses: (outputs the row had when guessed, the guess), checked as tokens come
+        self._guesses: dict[Request, tuple[int, list[int]]] = {}
         self.proposed = self.accepted = self.steps = self.drafts = 0  # drafts: rows' drafted spans verified
         self.accepted_per_position = [0] * num_tokens  # drafts kept at each position of a span
 
@@ -69,6 +71,33 @@ class Speculator:
     def step_done(self, step: int, num_rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         if self.policy is not None:
             self.policy.step_done(step, num_rows, drafted, tokens, seconds)
+
+    def watch(self, rows: list[Request], step: int) -> None:
+        """After a step's tokens were applied: check the watching rows' guesses against the tokens they made, and have
+        the rows whose watch step this is guess again (the policy's; nothing is drafted or verified on the device)."""
+        if self.policy is None:
+            return
+        for req, (at, guess) in list(self._guesses.items()):
+            made = req.output_token_ids[at:at + len(guess)]
+            kept = 0
+            while kept < len(made) and made[kept] == guess[kept]:
+                kept += 1
+            if kept < len(made) or len(made) == len(guess):  # a wrong token, or every guess checked
+                del self._guesses[req]
+                self.policy.verified(req, len(guess), kept)
+        asking = [req for req in rows if req.may_speculate and req not in self._guesses
+                  and self.policy.watch_length(req, step)]
+        if not asking:
+            return
+        histories = [self._history(req) for req in asking]
+        if self.proposer.drafts_together:
+            self.proposer.prepare(histories, [self.k] * len(asking))
+        for req, history in zip(asking, histories):
+            guess = self.proposer.propose(history, self.k)[:self.k]
+            if guess:
+                self._guesses[req] = (len(req.output_token_ids), guess)
+            else:
+                self.policy.verified(req, 0, 0)
 
     def propose(self, batch: ScheduledBatch, step: int = 0) -> StepDrafts | None:
         """Drafts for the step's decode rows (their blocks taken); None when no row drafts."""
@@ -132,7 +161,7 @@ class Speculator:
         room = len(req.block_ids) * bs - req.num_computed_tokens + self.block_manager.num_free_blocks * bs
         guess = guess[:max(0, room)]
         if not guess and self.policy is not None:
-            self.policy.verified(req, 0, 0)  # nothing to propose: as a miss, so the row waits for a probe
+            self.policy.verified(req, 0, 0)  # nothing to propose: as a miss, so the row watches
         return guess
 
     def settle(self, batch: ScheduledBatch, drafts: StepDrafts, tokens: list[int]) -> list[tuple[int, int]]:
@@ -164,6 +193,7 @@ class Speculator:
         """req ended: its history (prompt and outputs) goes to the proposer, and is forgotten here."""
         if self.policy is not None:
             self.policy.forget(req)
+        self._guesses.pop(req, None)
         history = self._histories.pop(req, None)
         if history is None:
             if not req.output_token_ids:
@@ -174,6 +204,7 @@ class Speculator:
 
     def forget_all(self) -> None:
         self._histories.clear()
+        self._guesses.clear()
         self.proposer.forget_all()
         if self.policy is not None:
             self.policy.forget_all()

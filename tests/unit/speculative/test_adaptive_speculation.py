@@ -1,12 +1,14 @@
 """Speculation with the draft policy on the asynchronous pipeline: drafted steps (the step in flight read first)
 between plain carried-over steps keep outputs equal to the engine without speculation; drafts that always fail
-soon stop being made; drafts that are kept go on."""
+never make a drafted step (the rows watch: their guesses are checked against the tokens they make); drafts that are
+kept go on."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from backend import SamplingParams
+from backend.speculative.draft_policy import MAX_WATCH
 from backend.speculative.proposer import Proposer
 from tests.tiny_models import VOCAB, kv_blocks_used_after_settling, random_prompts, tiny_engine
 from tests.unit.speculative.test_engine_speculation import (OracleProposer, _logprob_values, _reference, _summary,
@@ -24,8 +26,10 @@ class ReplayProposer(Proposer):
     def __init__(self, sequences, wrong: bool) -> None:
         self.sequences = [np.asarray(s, dtype=np.int64) for s in sequences]
         self.wrong = wrong
+        self.calls = 0
 
     def propose(self, history, k):
+        self.calls += 1
         h = history.tokens
         for seq in self.sequences:
             if len(seq) > len(h) and np.array_equal(seq[:len(h)], h):
@@ -60,15 +64,16 @@ def test_outputs_equal_on_the_async_pipeline_with_the_policy(path, decoding):
         np.testing.assert_allclose(_logprob_values(got), _logprob_values(want), atol=1e-5, rtol=0)
 
 
-def test_drafts_that_always_fail_soon_stop(path):
-    """Four rows, 300 tokens each, every draft wrong: after the first probes, drafted steps come once in 64."""
+def test_drafts_that_always_fail_never_make_a_drafted_step(path):
+    """Four rows, 300 tokens each, every guess wrong: the rows watch from their first step (nothing was checked yet),
+    no step drafts, and each row guesses about once in MAX_WATCH steps once its guesses keep failing."""
     prompts = random_prompts([5, 8, 11, 14], seed=22)
     params = [SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)] * 4
     proposer = ReplayProposer(_reference(path, prompts, params, max_tokens=300), wrong=True)
     got, counts, steps = _run(path, prompts, params, proposer, max_model_len=320, num_kv_blocks=400)
     assert [len(o.token_ids) for o in got] == [300] * 4
-    assert counts["spec_accepted_tokens"] == 0
-    assert 0 < counts["spec_steps"] <= 300 // 64 + 8, (counts, steps)
+    assert counts["spec_steps"] == counts["spec_proposed_tokens"] == 0, counts
+    assert 4 * (300 // MAX_WATCH) <= proposer.calls <= 4 * (300 // MAX_WATCH + 8), (proposer.calls, steps)
 
 
 def test_drafts_that_are_kept_go_on(path):

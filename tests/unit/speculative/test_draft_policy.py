@@ -1,75 +1,92 @@
-"""DraftPolicy: rows draft while their drafts are kept, as many tokens as are likely kept; rows (and new requests)
-whose drafts fail wait for aligned probes, so they cost one drafted step in MAX_BACKOFF; a batch size whose drafted
-steps give fewer tokens a second than plain ones stops drafting, and its plain figure is renewed when stale."""
+"""DraftPolicy: rows draft while their drafts are kept, as many tokens as are likely kept; rows whose drafts fail
+(and new requests, where those before them failed or nothing was checked yet) watch instead, their guesses checked
+against the tokens they make, so they cost no drafted step; a batch size whose drafted steps give fewer tokens a
+second than plain ones stops drafting, and its plain figure is renewed when stale."""
 from __future__ import annotations
 
-from backend.speculative.draft_policy import CONTROL_RUN, MAX_BACKOFF, NEW_ROW_BACKOFF, STALE, DraftPolicy
+from backend.speculative.draft_policy import CONTROL_RUN, MAX_BACKOFF, MAX_WATCH, STALE, DraftPolicy
 
 
-def _drafted_steps(policy: DraftPolicy, rows: list[str], steps: range, keep: float) -> list[int]:
-    """Runs steps where every row that may draft proposes 4 and keeps round(keep * 4); the steps that drafted."""
-    drafted = []
+def _run(policy: DraftPolicy, rows: list[str], steps: range, keep: float) -> tuple[list[int], list[int]]:
+    """Runs steps where every row that may draft proposes its length and every row whose watch step it is guesses;
+    each keeps round(keep * n) of n (a guess checked at once). Returns (the steps that drafted, those that guessed)."""
+    drafted, guessed = [], []
     for step in steps:
-        if not policy.due(step, len(rows)):
-            continue
-        lengths = [policy.draft_length(r, step, 4) for r in rows]
+        lengths = [policy.draft_length(r, step, 4) for r in rows] if policy.due(step, len(rows)) else [0] * len(rows)
         if any(lengths):
             drafted.append(step)
         for r, k in zip(rows, lengths):
             if k:
                 policy.verified(r, k, round(keep * k))
-    return drafted
+        watching = [(r, policy.watch_length(r, step)) for r in rows]
+        if any(k for _, k in watching):
+            guessed.append(step)
+        for r, k in watching:
+            if k:
+                policy.verified(r, k, round(keep * k))
+    return drafted, guessed
 
 
-def test_rows_whose_drafts_always_fail_probe_once_in_max_backoff_steps():
+def test_rows_whose_drafts_always_fail_never_draft_and_guess_once_in_max_watch_steps():
     policy = DraftPolicy(4)
     rows = [f"r{i}" for i in range(32)]
-    drafted = _drafted_steps(policy, rows, range(1, 4097), keep=0.0)
-    late = [s for s in drafted if s > 512]
-    assert late == [s for s in range(513, 4097) if s % MAX_BACKOFF == 0]  # aligned: all rows probe together
-    assert len(drafted) <= 4096 // MAX_BACKOFF + 16
+    drafted, guessed = _run(policy, rows, range(1, 4097), keep=0.0)
+    assert drafted == []  # nothing was ever kept: no step drafted
+    assert [s for s in guessed if s > 64] == [s for s in range(65, 4097) if s % MAX_WATCH == 0]  # aligned
 
 
-def test_rows_that_keep_drafts_draft_every_step_and_as_far_as_worth():
+def test_rows_whose_guesses_hold_draft_from_the_next_step_as_far_as_worth():
     policy = DraftPolicy(8)
-    assert policy.draft_length("new", 1, 8) == 3  # acceptance 0.5 assumed: a 4th draft is kept 1 time in 16
+    assert policy.draft_length("new", 1, 8) == 0 and policy.watch_length("new", 1) == 8  # nothing checked: watch
+    assert not policy.due(1, 1)
+    policy.verified("new", 8, 8)  # its guess held: the share measured replaces the starting guess
+    assert policy.due(2, 1) and policy.draft_length("new", 2, 8) == 8 and policy.watch_length("new", 2) == 0
     for step in range(1, 30):
         policy.verified("good", 8, 8)
     assert policy.draft_length("good", 31, 8) == 8 and policy.draft_length("good", 31, 2) == 2
     for step in range(1, 30):
         policy.verified("half", 4, 2)
-    assert policy.draft_length("half", 31, 8) == 3
+    assert policy.draft_length("half", 31, 8) == 3  # a 4th draft is kept 1 time in 16
     assert policy.due(31, 2)
 
 
-def test_a_row_recovers_once_its_drafts_are_kept_again():
+def test_a_row_recovers_once_its_guesses_hold_again():
     policy = DraftPolicy(4)
     for _ in range(8):
         policy.verified("r", 4, 0)
     assert policy.draft_length("r", 3, 4) == 0 and not policy.due(3, 1)
-    probe = MAX_BACKOFF * 5
-    assert policy.draft_length("r", probe, 4) >= 1
+    assert policy.watch_length("r", MAX_WATCH + 1) == 0 and policy.watch_length("r", MAX_WATCH * 5) == 4
     for _ in range(6):
         policy.verified("r", 4, 4)
-    assert policy.draft_length("r", probe + 1, 4) == 4 and policy.due(probe + 1, 1)
+    assert policy.draft_length("r", 7, 4) == 4 and policy.due(7, 1)
+
+
+def test_a_drafting_row_that_misses_watches_from_the_next_step():
+    policy = DraftPolicy(4)
+    policy.verified("r", 4, 4)
+    assert policy.due(1, 1)
+    for _ in range(5):
+        policy.verified("r", 4, 0)
+    assert not policy.due(2, 1) and policy.watch_length("r", 3) == 4
 
 
 def test_a_proposer_with_nothing_counts_as_a_miss():
     policy = DraftPolicy(4)
+    policy.verified("r", 4, 4)
     for _ in range(3):
         policy.verified("r", 0, 0)
     assert policy.draft_length("r", 9, 4) == 0
 
 
-def test_new_requests_start_waiting_where_requests_before_failed():
-    policy = DraftPolicy(4)
+def test_new_requests_draft_at_once_where_requests_before_kept_their_drafts_and_watch_where_not():
+    good, bad = DraftPolicy(4), DraftPolicy(4)
     for i in range(20):
-        policy.verified(f"old{i}", 4, 0)
-        policy.forget(f"old{i}")
-    assert not policy.due(NEW_ROW_BACKOFF + 1, 3)  # three new rows, none tracked yet: they wait too
-    assert policy.due(NEW_ROW_BACKOFF * 2, 3)
-    assert policy.draft_length("new", NEW_ROW_BACKOFF + 1, 4) == 0
-    assert policy.draft_length("new", NEW_ROW_BACKOFF * 3, 4) >= 1
+        good.verified(f"old{i}", 4, 3)
+        good.forget(f"old{i}")
+        bad.verified(f"old{i}", 4, 0)
+        bad.forget(f"old{i}")
+    assert good.draft_length("new", 1, 4) >= 1 and good.due(1, 1)
+    assert bad.draft_length("new", 1, 4) == 0 and not bad.due(1, 1) and bad.watch_length("new", 1) == 4
 
 
 def test_a_batch_size_where_drafted_steps_lose_stops_drafting_and_renews_its_plain_figure():
@@ -111,6 +128,7 @@ def test_a_batch_size_that_drafted_from_its_first_step_measures_plain_steps_then
 
 def test_the_first_plain_step_after_a_drafted_one_is_not_measured():
     policy = DraftPolicy(4)
+    policy.verified("r", 4, 4)  # a row that drafts
     policy.step_done(1, 16, True, 40, 0.010)  # 4,000 tok/s
     policy.step_done(2, 16, False, 16, 0.0001)  # right after a drafted step (the pipeline refilling): no figure
     policy.step_done(3, 16, False, 16, 0.010)  # steady: 1,600 tok/s
