@@ -10,17 +10,23 @@ tokens, so each proposer is replayed over them: at every step it proposes k toke
 far, the longest prefix equal to the model's next tokens is accepted, and the model's next token after them comes
 free. Requests are replayed in order, so the suffix proposer learns from the outputs before. Reported per workload,
 proposer and k: tokens per verify step (accepted + 1; batch-1 speed-up if a verify step cost one decode step),
-accepted per step, and the share of proposed tokens accepted. Prints a table and one JSON line."""
+accepted per step, and the share of proposed tokens accepted. Prints a table and one JSON line.
+
+With --speed (a GPU run), also the copy workload's speed at batch 1: its requests one at a time through the engine
+without speculation and with each proposer (k = --speed-k, the draft policy on), output tokens a second over the
+wall time, and whether each run's outputs equal the run's without speculation."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
 
 from backend import Engine, EngineConfig, SamplingParams
-from backend.speculative.proposer import METHODS, make_proposer
+from backend.speculative.proposer import make_proposer
 from backend.speculative.token_history import TokenHistory
 
+PROPOSERS = ("ngram", "suffix")  # the proposers without a model (a draft model needs a smaller one of this tokenizer)
 DATA = os.path.join(os.path.dirname(__file__), "data")
 PASSAGE_TASKS = ["Repeat this paragraph word for word:", "Copy this paragraph, writing every number as digits:",
                  "Rewrite this paragraph with modern spelling, changing nothing else:",
@@ -79,6 +85,36 @@ def replay(method: str, k: int, requests: list[tuple[list[int], list[int]]]) -> 
             "acceptance": round(accepted / proposed, 3) if proposed else None}
 
 
+def batch1_speed(device: str, requests: list[tuple[list[int], list[int]]], warm_up: list[int], max_tokens: int,
+                 k: int) -> list[dict]:
+    """The requests' prompts one at a time (max_num_seqs 1) without speculation, then with each proposer."""
+    prompts = [p for p, _ in requests]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    rows, want = [], None
+    for method in ("", *PROPOSERS):
+        engine = Engine(EngineConfig(device=device, max_num_seqs=1, max_model_len=2048, speculative_method=method,
+                                     num_speculative_tokens=k))
+        try:
+            engine.generate([warm_up], params)  # a prompt outside the workload: the suffix tree learns nothing of it
+            began = time.perf_counter()
+            outs = [list(o.token_ids) for o in engine.generate(prompts, params)]
+            wall = time.perf_counter() - began
+            counts = engine.speculator.counts() if engine.speculator is not None else {}
+        finally:
+            engine.shutdown()
+        want = outs if want is None else want
+        tokens = sum(len(o) for o in outs)
+        steps = counts.get("spec_drafts", 0)
+        rows.append({"method": method or "none", "k": k if method else 0, "tokens": tokens, "wall_s": round(wall, 3),
+                     "tok_per_s": round(tokens / wall, 1), "same_outputs": outs == want,
+                     "drafted_steps": counts.get("spec_steps", 0),
+                     "tokens_per_draft": round(1 + counts["spec_accepted_tokens"] / steps, 3) if steps else None})
+    base = rows[0]["tok_per_s"]
+    for row in rows:
+        row["speedup"] = round(row["tok_per_s"] / base, 3)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -86,6 +122,8 @@ def main() -> int:
     ap.add_argument("--passages", type=int, default=8, help="passage tasks added to the copy workload")
     ap.add_argument("--ks", default="2,4,8")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--speed", action="store_true", help="also the copy workload's batch-1 speed per proposer")
+    ap.add_argument("--speed-k", type=int, default=4)
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     engine = Engine(EngineConfig(device=args.device, max_num_seqs=64, max_model_len=2048))
@@ -99,13 +137,22 @@ def main() -> int:
     print(f"{'workload':9s} {'method':7s} {'k':>2s} {'tokens/step':>11s} {'accepted/step':>13s} {'acceptance':>10s}")
     rows = []
     for name, requests in workloads.items():
-        for method in METHODS:
+        for method in PROPOSERS:
             for k in ks:
                 row = {"workload": name, **replay(method, k, requests)}
                 rows.append(row)
                 print(f"{name:9s} {method:7s} {k:2d} {row['tokens_per_step']:>11} {row['accepted_per_step']:>13} "
                       f"{row['acceptance']:>10}")
-    print(json.dumps({"model": "smollm2-135m-instruct", "max_tokens": args.max_tokens, "rows": rows}))
+    speed = []
+    if args.speed:
+        speed = batch1_speed(args.device, workloads["copy"], workloads["chat"][0][0], args.max_tokens, args.speed_k)
+        print(f"# copy workload at batch 1, device {args.device}")
+        print(f"{'method':7s} {'k':>2s} {'tok/s':>8s} {'speed-up':>8s} {'drafted steps':>13s} {'tokens/draft':>12s} same")
+        for row in speed:
+            print(f"{row['method']:7s} {row['k']:2d} {row['tok_per_s']:8.1f} {row['speedup']:8.3f} "
+                  f"{row['drafted_steps']:13d} {str(row['tokens_per_draft']):>12s} {row['same_outputs']}")
+    print(json.dumps({"model": "smollm2-135m-instruct", "max_tokens": args.max_tokens, "rows": rows,
+                      "batch1_speed": speed}))
     return 0
 
 
