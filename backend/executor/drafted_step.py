@@ -28,8 +28,9 @@ class DraftedSteps:
         starts = drafts.starts()
         rows = starts[-1] + 1 + len(drafts.drafts[-1])
         max_len = self._widen(st, drafts, starts)
-        sampling = r.packer.sampling_rows(st, len(st.sampled))  # one row each, as packed; expanded on the device
-        edits = r.packer.logit_edits(st)
+        greedy = r.all_plain_greedy(st)  # every position's token is its argmax: nothing to expand or edit
+        sampling = None if greedy else r.packer.sampling_rows(st, len(st.sampled))  # expanded on the device
+        edits = None if greedy else r.packer.logit_edits(st)
         tokens = batch.num_tokens + drafts.num_drafted
         width = -(-max_len // r.block_size)
         longest_query = max(max(batch.num_new_tokens), max(drafts.counts))
@@ -46,6 +47,9 @@ class DraftedSteps:
 
         def sample() -> tuple[int, bool, float]:
             logits = st.logits[:rows]  # a graph's padding rows past them
+            if greedy:
+                r.step_ops.mixed.greedy_argmax(logits, slot.targets.tokens[:rows])
+                return rows, False, 0.0
             firsts = host_to_device(np.asarray(starts, dtype=np.int64), logits.device)  # each row's first position
             if sampling.any_penalty:  # a position's outputs: the row's, its input token, the drafts before it
                 r.append_input_tokens(slot, sampling, len(starts), firsts)

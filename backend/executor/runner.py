@@ -166,7 +166,7 @@ class ModelRunner:
         bucket = self._graph_bucket(st)
         tokens = None if bucket is not None else self._mixed_bucket(st)
         logits_rows = self.graphs.logits_rows(tokens) if tokens is not None else 0
-        if bucket is not None and self._all_plain_greedy(st):  # no sampling rows, bans or logprobs to prepare
+        if bucket is not None and self.all_plain_greedy(st):  # no sampling rows, bans or logprobs to prepare
             return LaunchPlan(bucket, None, bucket, 0, None, None, *self._context(st, graph=True), argmax_only=True)
         rows = bucket or (self._sampler_rows(n, tokens) if tokens is not None else n)
         sampling = self.packer.sampling_rows(st, rows) if n else None
@@ -251,7 +251,7 @@ class ModelRunner:
         return st.batch.rows.any_constrained or any(r.grammar is not None for r in st.sampled[st.batch.num_rows:])
 
     @staticmethod
-    def _all_plain_greedy(st: StepState) -> bool:
+    def all_plain_greedy(st: StepState) -> bool:
         """Every sampled row is plain greedy: the decode rows' count of other rows is kept; the prefill rows are
         few."""
         return st.batch.rows.all_plain_greedy and all(r.plain_greedy for r in st.sampled[st.batch.num_rows:])
