@@ -4,8 +4,8 @@ a step's drafting rows together, over its own paged KV cache (the same model cod
 A step's drafting is one fixed-shape body, a CUDA graph per batch bucket (speculative/draft_graphs.py): each row feeds
 its history's last FEED tokens (at most that many are new to the draft cache after a drafted step: the last draft
 kept and the token after it; an older one fed again is written over with its own entry), the greedy pick after them
-is the first draft, and k - 1 one-token forwards feed each pick in turn. A row further behind (new, or back from the
-draft policy's pause) first has the rest fed by one eager forward. The drafts reach the host once, at the end."""
+is the first draft, and k - 1 one-token forwards feed each pick in turn. A row further behind (new, or drafting
+again after watching under the draft policy) first has the rest fed by one eager forward. The drafts reach the host once, at the end."""
 from __future__ import annotations
 
 import contextlib
