@@ -111,7 +111,7 @@ class EngineLoop:
             time.sleep(0.001)  # nothing could be scheduled (cannot happen with valid requests); don't spin
         elif self.speculator is not None and batch is not None:
             self.speculator.step_done(self.steps, batch.num_rows, False, emitted, time.perf_counter() - began)
-            self.speculator.watch(self.scheduler.batch.requests, self.steps)
+            self._watch()
         tl.next_step()
         self.refresh_stats()
         return batch is not None or prev is not None
@@ -153,10 +153,15 @@ class EngineLoop:
             emitted += self._complete_drafted(cur, drafts)
         self.speculator.step_done(self.steps, batch.num_rows, drafts is not None, emitted,
                                   time.perf_counter() - began)
-        self.speculator.watch(self.scheduler.batch.requests, self.steps)
+        self._watch()
         tl.next_step()
         self.refresh_stats()
         return True
+
+    def _watch(self) -> None:
+        """The speculator's watching rows guess, and their guesses are checked (Speculator.watch)."""
+        rb = self.scheduler.batch
+        self.speculator.watch(rb.requests, rb.draftable_rows, self.steps)
 
     def _count_step_for_faults(self) -> None:
         """The test hook: every fault_every-th scheduled step raises."""

@@ -58,6 +58,7 @@ class DraftPolicy:
         self._rows: dict[object, _RowState] = {}
         self._buckets: dict[int, _BucketRates] = {}
         self._drafting = 0  # rows that draft
+        self._watching: dict[int, int] = {}  # back-off -> rows watching with it
         self._acceptance = FIRST_ACCEPTANCE  # over every request's checked drafts: where new requests start
         self._checks = 0  # drafts or guesses checked, over every request
         self._last_plain = False  # the step before was a plain one
@@ -94,11 +95,14 @@ class DraftPolicy:
         self._acceptance += SMOOTHING * (share - self._acceptance)
         self._checks += 1
         if state.acceptance >= MIN_ACCEPTANCE and proposed:
-            self._set_drafting(state, True)
-            state.backoff = 1
+            self._set_state(state, True, 1)
         else:
-            state.backoff = 1 if state.drafting else min(2 * state.backoff, MAX_WATCH)
-            self._set_drafting(state, False)
+            self._set_state(state, False, 1 if state.drafting else min(2 * state.backoff, MAX_WATCH))
+
+    def watch_due(self, step: int, draftable_rows: int) -> bool:
+        """Whether some row may guess at this step: a watching row's back-off divides it, or some of the
+        draftable_rows running rows that may speculate may be new here."""
+        return len(self._rows) < draftable_rows or any(step % b == 0 for b in self._watching)
 
     def step_done(self, step: int, num_rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         """Step step, of num_rows decode rows, emitted tokens in seconds (a drafted step's time includes reading
@@ -120,11 +124,12 @@ class DraftPolicy:
         """Every request forgotten (the engine recovered from a failed step); what steps gave is kept."""
         self._rows.clear()
         self._drafting = 0
+        self._watching.clear()
 
     def forget(self, req: object) -> None:
         state = self._rows.pop(req, None)
-        if state is not None and state.drafting:
-            self._drafting -= 1
+        if state is not None:
+            self._count(state, -1)
 
     def _bucket_allows(self, step: int, num_rows: int) -> bool:
         rates = self._buckets.get(_bucket(num_rows))
@@ -141,14 +146,24 @@ class DraftPolicy:
         state = self._rows.get(req)
         if state is None:
             known_good = self._checks > 0 and self._acceptance >= MIN_ACCEPTANCE
-            state = self._rows[req] = _RowState(self._acceptance)
-            self._set_drafting(state, known_good)
+            state = self._rows[req] = _RowState(self._acceptance, known_good)
+            self._count(state, 1)
         return state
 
-    def _set_drafting(self, state: _RowState, drafting: bool) -> None:
-        if drafting != state.drafting:
-            self._drafting += 1 if drafting else -1
-            state.drafting = drafting
+    def _set_state(self, state: _RowState, drafting: bool, backoff: int) -> None:
+        self._count(state, -1)
+        state.drafting, state.backoff = drafting, backoff
+        self._count(state, 1)
+
+    def _count(self, state: _RowState, delta: int) -> None:
+        if state.drafting:
+            self._drafting += delta
+            return
+        left = self._watching.get(state.backoff, 0) + delta
+        if left:
+            self._watching[state.backoff] = left
+        else:
+            self._watching.pop(state.backoff, None)
 
 
 def _bucket(num_rows: int) -> int:

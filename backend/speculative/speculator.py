@@ -72,9 +72,10 @@ class Speculator:
         if self.policy is not None:
             self.policy.step_done(step, num_rows, drafted, tokens, seconds)
 
-    def watch(self, rows: list[Request], step: int) -> None:
+    def watch(self, rows: list[Request], draftable: int, step: int) -> None:
         """After a step's tokens were applied: check the watching rows' guesses against the tokens they made, and have
-        the rows whose watch step this is guess again (the policy's; nothing is drafted or verified on the device)."""
+        the rows whose watch step this is guess again (the policy's; nothing is drafted or verified on the device).
+        rows: the running decode rows, draftable of them may speculate."""
         if self.policy is None:
             return
         for req, (at, guess) in list(self._guesses.items()):
@@ -85,6 +86,8 @@ class Speculator:
             if kept < len(made) or len(made) == len(guess):  # a wrong token, or every guess checked
                 del self._guesses[req]
                 self.policy.verified(req, len(guess), kept)
+        if not self.policy.watch_due(step, draftable):
+            return
         asking = [req for req in rows if req.may_speculate and req not in self._guesses
                   and self.policy.watch_length(req, step)]
         if not asking:

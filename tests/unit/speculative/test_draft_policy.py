@@ -33,6 +33,9 @@ def test_rows_whose_drafts_always_fail_never_draft_and_guess_once_in_max_watch_s
     drafted, guessed = _run(policy, rows, range(1, 4097), keep=0.0)
     assert drafted == []  # nothing was ever kept: no step drafted
     assert [s for s in guessed if s > 64] == [s for s in range(65, 4097) if s % MAX_WATCH == 0]  # aligned
+    # the engine asks the rows only where one may guess: a watch step, or more draftable rows than it knows
+    assert not policy.watch_due(MAX_WATCH * 300 + 1, 32)
+    assert policy.watch_due(MAX_WATCH * 300, 32) and policy.watch_due(MAX_WATCH * 300 + 1, 33)
 
 
 def test_rows_whose_guesses_hold_draft_from_the_next_step_as_far_as_worth():
