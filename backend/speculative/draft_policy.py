@@ -6,11 +6,11 @@ first), and every draft is a token of compute. So drafting is the exception that
 - a row drafts while its acceptance (a moving average of the share of its drafts kept; the first share measured
   replaces the starting guess) stays at least MIN_ACCEPTANCE, and drafts only as many tokens as are likely to be
   kept (the i-th draft is kept with about acceptance^i);
-- a row below it, or whose proposer had nothing, watches instead: at steps that are multiples of its back-off (2,
-  4, ... MAX_BACKOFF) its proposer guesses k tokens that nothing verifies, and the tokens the row then makes say how
-  many would have been kept (the same law as verifying them: a sampled token equals a one-hot draft with the
-  draft's probability). A watching row costs no drafted step, so rows whose drafts never hold cost the GPU nothing;
-  one whose guesses start to hold drafts again;
+- a row below it, or whose proposer had nothing, watches instead: at steps that are multiples of its back-off (1,
+  2, 4, ... MAX_WATCH, doubling with each miss) its proposer guesses k tokens that nothing verifies, and the tokens
+  the row then makes say how many would have been kept (the same law as verifying them: a sampled token equals a
+  one-hot draft with the draft's probability). A watching row costs no drafted step, so rows whose drafts never
+  hold cost the GPU nothing; one whose guesses start to hold drafts again;
 - a new request drafts where the requests before it kept at least MIN_ACCEPTANCE of their drafts, and watches first
   where they did not, or before any was checked;
 - per batch-size bucket, the tokens a second of drafted steps are compared with plain steps'; a bucket whose
