@@ -110,8 +110,7 @@ class EngineLoop:
         if batch is None and prev is None:
             time.sleep(0.001)  # nothing could be scheduled (cannot happen with valid requests); don't spin
         elif self.speculator is not None and batch is not None:
-            self.speculator.step_done(self.steps, batch.num_rows, False, emitted, time.perf_counter() - began)
-            self._watch()
+            self._speculation_step_done(batch.num_rows, False, emitted, began)
         tl.next_step()
         self.refresh_stats()
         return batch is not None or prev is not None
@@ -151,15 +150,15 @@ class EngineLoop:
             emitted += len(cur.sampled)
         else:
             emitted += self._complete_drafted(cur, drafts)
-        self.speculator.step_done(self.steps, batch.num_rows, drafts is not None, emitted,
-                                  time.perf_counter() - began)
-        self._watch()
+        self._speculation_step_done(batch.num_rows, drafts is not None, emitted, began)
         tl.next_step()
         self.refresh_stats()
         return True
 
-    def _watch(self) -> None:
-        """The speculator's watching rows guess, and their guesses are checked (Speculator.watch)."""
+    def _speculation_step_done(self, num_rows: int, drafted: bool, emitted: int, began: float) -> None:
+        """A step's tokens applied: the draft policy hears what it gave, and the watching rows guess, their guesses
+        checked (Speculator.watch)."""
+        self.speculator.step_done(self.steps, num_rows, drafted, emitted, time.perf_counter() - began)
         rb = self.scheduler.batch
         self.speculator.watch(rb.requests, rb.draftable_rows, self.steps)
 

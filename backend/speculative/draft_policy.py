@@ -60,7 +60,7 @@ class DraftPolicy:
         self._drafting = 0  # rows that draft
         self._watching: dict[int, int] = {}  # back-off -> rows watching with it
         self._acceptance = FIRST_ACCEPTANCE  # over every request's checked drafts: where new requests start
-        self._checks = 0  # drafts or guesses checked, over every request
+        self._any_checked = False  # some request's drafts or guesses were checked
         self._last_plain = False  # the step before was a plain one
 
     def due(self, step: int, num_rows: int, draftable_rows: int | None = None) -> bool:
@@ -93,7 +93,7 @@ class DraftPolicy:
         elif proposed:
             state.acceptance, state.checked = share, True
         self._acceptance += SMOOTHING * (share - self._acceptance)
-        self._checks += 1
+        self._any_checked = True
         if state.acceptance >= MIN_ACCEPTANCE and proposed:
             self._set_state(state, True, 1)
         else:
@@ -145,7 +145,7 @@ class DraftPolicy:
     def _row(self, req: object) -> _RowState:
         state = self._rows.get(req)
         if state is None:
-            known_good = self._checks > 0 and self._acceptance >= MIN_ACCEPTANCE
+            known_good = self._any_checked and self._acceptance >= MIN_ACCEPTANCE
             state = self._rows[req] = _RowState(self._acceptance, known_good)
             self._count(state, 1)
         return state
