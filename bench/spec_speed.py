@@ -15,7 +15,11 @@ draft policy (a fresh one per run) and, to show what verifying costs, with every
 --draft-model, a draft model's engine too, doing all its drafting work but handing out the oracle's drafts (its cost
 at a chosen acceptance). Prints a table and one JSON line; tok/s counts output tokens over the wall time,
 "kept" the share of drafted tokens accepted, "tokens/draft" the mean acceptance length (tokens a drafting row emits
-in a verify step: its accepted drafts and the model's own token after them)."""
+in a verify step: its accepted drafts and the model's own token after them), "host µs/step" the median CPU time of
+a step outside its wait (the engine timeline's spans) with two of its phases: pack (a drafted step's proposing and
+block taking included) and update (its settling and accepting). A drafted step runs on the synchronous pipeline, so
+its host time is time the GPU waits. `--model stand-in --device cpu --dtype float32 --no-peaked` measures that host
+work alone, anywhere (the stand-in answers at once; without CUDA a step's device work runs inside its launch)."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +33,9 @@ from backend import Engine, EngineConfig, SamplingParams
 from backend.speculative.draft_policy import DraftPolicy
 from backend.speculative.proposer import Proposer
 from backend.speculative.token_history import TokenHistory
+
+
+HOST_PHASES = ("pack", "update")  # a drafted step's proposing is in its pack; its settling and accepting in update
 
 
 class OracleProposer(Proposer):
@@ -78,10 +85,19 @@ class OracleDraftProposer(Proposer):
         self.draft.forget_all()
 
 
-def timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
+def timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float, dict]:
+    """(outputs, wall seconds, the host's time a step: the median µs per step and per phase, from the timeline)."""
+    engine.set_timeline(True)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
-    return outs, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    engine.set_timeline(False)
+    time.sleep(0.05)  # the loop applies the switch at its next step
+    summary = engine.timeline.summary()
+    phases = summary.get("cpu_us_by_phase", {})
+    host = dict(cpu_us_per_step=round(summary["cpu_us_per_step"], 1),
+                **{f"cpu_us_{phase}": phases.get(phase, 0.0) for phase in HOST_PHASES})
+    return outs, seconds, host
 
 
 def make_peaked(model) -> None:
@@ -103,7 +119,7 @@ def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int, draftin
     prompts = [[rng.randrange(3, min(vocab, 30000)) for _ in range(args.prompt_len)] for _ in range(batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     plain.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm: one-off set-up
-    outs, seconds = timed_generate(plain, prompts, params)
+    outs, seconds, host = timed_generate(plain, prompts, params)
     recorded = {tuple(p): list(o.token_ids) for p, o in zip(prompts, outs)}
     warm = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for engine in (spec, *([drafting] if drafting else [])):  # warm: drafted steps of this size compile their kernels
@@ -112,10 +128,10 @@ def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int, draftin
         engine.speculator.proposer = oracle if engine is spec else OracleDraftProposer(args.draft_proposer, oracle)
         engine.generate(prompts, warm)
     tokens = batch * args.max_tokens
-    rows = [dict(batch=batch, mode="async, no speculation", alpha=None, tok_per_s=tokens / seconds)]
+    rows = [dict(batch=batch, mode="async, no speculation", alpha=None, tok_per_s=tokens / seconds, **host)]
     opt_out = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, speculate=False)
-    _, seconds = timed_generate(spec, prompts, opt_out)
-    rows.append(dict(batch=batch, mode="speculating, opted out", alpha=None, tok_per_s=tokens / seconds))
+    _, seconds, host = timed_generate(spec, prompts, opt_out)
+    rows.append(dict(batch=batch, mode="speculating, opted out", alpha=None, tok_per_s=tokens / seconds, **host))
     runs = [(alpha, True, spec) for alpha in args.alphas] + [(alpha, False, spec) for alpha in args.every_step_alphas]
     runs += [(alpha, True, drafting) for alpha in (args.draft_alphas if drafting else [])]
     for alpha, adaptive, engine in runs:
@@ -123,7 +139,7 @@ def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int, draftin
         oracle = OracleProposer(recorded, args.prompt_len, alpha, vocab, seed=batch)
         engine.speculator.proposer = oracle if engine is spec else OracleDraftProposer(args.draft_proposer, oracle)
         before = engine.speculator.counts()
-        got, seconds = timed_generate(engine, prompts, params)
+        got, seconds, host = timed_generate(engine, prompts, params)
         after = engine.speculator.counts()
         proposed, accepted, steps, spans = (after[key] - before[key] for key in
                                             ("spec_proposed_tokens", "spec_accepted_tokens", "spec_steps",
@@ -134,7 +150,7 @@ def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int, draftin
         rows.append(dict(batch=batch, mode=mode, alpha=alpha, tok_per_s=tokens / seconds,
                          accepted_share=accepted / proposed if proposed else 0.0,
                          mean_acceptance_length=1 + accepted / spans if spans else 1.0, drafted_steps=steps,
-                         outputs_as_recorded=float(same)))
+                         outputs_as_recorded=float(same), **host))
     base = rows[0]["tok_per_s"]
     for r in rows:
         r["vs_async"] = r["tok_per_s"] / base
@@ -190,12 +206,14 @@ def main(argv=None) -> int:
         spec.shutdown()
         plain.shutdown()
     print(f"{'batch':>5}  {'mode':<38} {'alpha':>5}  {'tok/s':>9}  {'÷ async':>7}  {'kept':>5}  {'tokens/draft':>12}  "
-          f"{'as recorded':>11}")
+          f"{'as recorded':>11}  {'host µs/step (pack, update)':>27}")
     for r in rows:
         alpha = "" if r["alpha"] is None else f"{r['alpha']:.2f}"
         extra = (f"{r['accepted_share']:>5.2f}  {r['mean_acceptance_length']:>12.2f}  {r['outputs_as_recorded']:>11.2f}"
-                 if r["alpha"] is not None else "")
-        print(f"{r['batch']:>5}  {r['mode']:<38} {alpha:>5}  {r['tok_per_s']:>9.1f}  {r['vs_async']:>7.3f}  {extra}")
+                 if r["alpha"] is not None else " " * 32)
+        host = f"{r['cpu_us_per_step']:.0f} ({r['cpu_us_pack']:.0f}, {r['cpu_us_update']:.0f})"
+        print(f"{r['batch']:>5}  {r['mode']:<38} {alpha:>5}  {r['tok_per_s']:>9.1f}  {r['vs_async']:>7.3f}  {extra}  "
+              f"{host:>27}")
     print(json.dumps({"model": args.model, "draft_model": args.draft_model, "k": args.k, "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "rows": rows}))
     return 0
