@@ -82,9 +82,7 @@ class DraftedSteps:
         within = np.arange(n + D) - np.repeat(row_starts, lengths)
         positions = np.repeat(h["positions"][:n], lengths) + within
         ids = np.repeat(h["input_ids"][:n], lengths)
-        for i, guess in enumerate(drafts.drafts[:n]):
-            if guess:
-                ids[starts[i] + 1:starts[i] + 1 + len(guess)] = guess
+        ids[drafts.start_array[drafts.draft_rows] + drafts.draft_offsets] = drafts.draft_tokens
         blocks = rb.table_store[np.repeat(rb.table_rows, lengths), positions // bs]
         h["input_ids"][:n + D] = ids
         h["positions"][:n + D] = positions

@@ -72,16 +72,3 @@ def _drafts_before(drafts: Sequence[Sequence[int]], device: torch.device) -> tor
     width = max((len(d) for d in drafts), default=0)
     rows = [list(d[:i]) + [-1] * (width - i) for d in drafts for i in range(1 + len(d))]
     return host_to_device(np.asarray(rows, dtype=np.int64).reshape(len(rows), width), device)
-
-
-def accepted_lengths(drafts: torch.Tensor, draft_lengths: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-    """(R,) how many leading drafts each row keeps: drafts (R, k) (entries past a row's draft_lengths are ignored),
-    sampled (R, k + 1) the model's own tokens at each position. The row then emits sampled[:, :accepted + 1]: the
-    kept drafts and the model's token after them."""
-    rows, k = drafts.shape
-    if sampled.shape != (rows, k + 1) or draft_lengths.shape != (rows,):
-        raise ValueError(f"need drafts (R, k), draft_lengths (R,) and sampled (R, k + 1); got {tuple(drafts.shape)}, "
-                         f"{tuple(draft_lengths.shape)} and {tuple(sampled.shape)}")
-    positions = torch.arange(k, device=drafts.device)
-    agree = (drafts == sampled[:, :k]) & (positions < draft_lengths.unsqueeze(1))
-    return agree.to(torch.int32).cumprod(dim=1).sum(dim=1)

@@ -372,3 +372,26 @@ def test_a_full_batch_still_drafts(path):
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 4
     counts, _ = _equal_with_oracle(path, prompts, params, max_num_seqs=4)
     assert counts["spec_accepted_tokens"] > 0
+
+
+def test_streamed_tokens_arrive_once_and_in_order(path):
+    """A streaming caller hears every kept token once, in order, several a drafted step, beside a caller that takes
+    only the final output: both equal the run without speculation."""
+    prompts = random_prompts([9, 14], seed=15)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 2
+    want, _, _ = _run(path, prompts, params)
+    oracle = OracleProposer(_reference(path, prompts, params))
+    engine = tiny_engine(path, False, speculative_method="ngram", **SETTINGS)
+    try:
+        engine.speculator.proposer = oracle
+        streamed = engine.add_request(prompts[0], params[0], request_id="streamed")
+        final_only = engine.add_request(prompts[1], params[1], request_id="final", stream=False)
+        deltas = [list(out.delta_token_ids) for out in streamed]
+        final = final_only.result()
+        accepted = engine.speculator.counts()["spec_accepted_tokens"]
+        assert kv_blocks_used_after_settling(engine) == 0
+    finally:
+        engine.shutdown()
+    assert [t for d in deltas for t in d] == want[0].token_ids
+    assert final.token_ids == want[1].token_ids
+    assert accepted > 0 and max(map(len, deltas)) > 1  # drafts kept: some outputs carried several tokens

@@ -8,21 +8,13 @@ import torch
 
 from backend.executor.sampler import Sampler
 from backend.request import SamplingParams
-from backend.speculative.verify import accepted_lengths, expand_rows
+from backend.speculative.speculator import StepDrafts
+from backend.speculative.verify import expand_rows
 from tests.sampling_helpers import sampling_tensors_from_params
 
 
 def _tensors(params, seeds, steps, **kw):
     return sampling_tensors_from_params(params, seeds=seeds, step_indices=steps, device="cpu", **kw)
-
-
-def test_accepted_lengths_count_the_leading_agreeing_drafts():
-    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 2, 3], [4, 4, 4]])
-    sampled = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [0, 2, 3, 1], [4, 4, 4, 4]])
-    lengths = torch.tensor([3, 3, 3, 2])  # row 3 drafted only two tokens: its third entry is padding
-    assert accepted_lengths(drafts, lengths, sampled).tolist() == [3, 1, 0, 2]
-    with pytest.raises(ValueError):
-        accepted_lengths(drafts, lengths, sampled[:, :3])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -45,7 +37,7 @@ def test_kept_tokens_are_the_ones_sampling_alone_makes(temperature):
     expanded = expand_rows(_tensors(params, seeds, steps), k + 1)
     sampled = sampler(logits.reshape(rows * (k + 1), vocab), expanded).token_ids.reshape(rows, k + 1)
     assert torch.equal(sampled, alone)
-    accepted = accepted_lengths(drafts, torch.full((rows,), k), sampled)
+    accepted = StepDrafts(drafts.tolist()).kept(sampled.reshape(-1).numpy())
     assert accepted.tolist() == [0, 1, 2, 3, 4, 4]
     for r in range(rows):
         emitted = sampled[r, :accepted[r] + 1]
@@ -62,8 +54,8 @@ def test_a_draft_is_kept_with_the_probability_the_model_gives_it():
     params = [SamplingParams(temperature=1.0)] * n
     expanded = expand_rows(_tensors(params, list(range(n)), [0] * n), 2)
     sampled = Sampler()(logits, expanded).token_ids.reshape(n, 2)
-    accepted = accepted_lengths(torch.full((n, 1), 2), torch.ones(n, dtype=torch.long), sampled)
-    kept = accepted.float().mean().item()
+    accepted = StepDrafts([[2]] * n).kept(sampled.reshape(-1).numpy())
+    kept = accepted.mean()
     assert abs(kept - 0.3) < 4 * np.sqrt(0.3 * 0.7 / n)
     first = sampled[:, 0]  # the emitted token: the kept draft, or the model's own token in its place
     observed = torch.bincount(first, minlength=6).double()
