@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
-
 from backend.core.step_update import StepUpdater
 from backend.request import Request
 from backend.speculative.speculator import Speculator, StepDrafts
 from backend.step_records import StepResult, StepState
+
+_LENGTH_ROOM = 2  # a row whose token count after the step is this close to its cap takes the one-token rule
 
 
 class DraftedStepUpdater:
@@ -26,50 +26,34 @@ class DraftedStepUpdater:
               finish: Callable[[Request, str, None], None]) -> tuple[list, list[int], int]:
         """The step's events for the output thread, each sampled row's last emitted token, and the tokens the
         rows emitted."""
-        tokens = np.asarray(result.token_ids, dtype=np.int64)
         # counts and blocks first, every row at its packed place: a request that finishes below leaves the rows
-        counts = self.speculator.settle(st.batch, drafts, tokens)
-        starts, ends = drafts.start_array, drafts.start_array + counts
-        checked = self._rows_to_check(st, result, tokens, starts, ends)
-        starts, ends = starts.tolist(), ends.tolist()
-        token_ids, requests = result.token_ids, result.requests
+        counts = self.speculator.settle(st.batch, drafts, result.token_ids)
+        rb, n = st.batch.rows, st.batch.num_rows
+        token_ids = result.token_ids
+        # rows' room to their length caps, read before any request finishes and leaves the rows (None: every row
+        # takes the one-token rule, as logprobs are reported)
+        room = None if result.logprobs is not None else (rb.token_cap[:n] - rb.computed[:n]).tolist()
+        stop_ids = rb.stop_ids
         events: list = []
+        last: list[int] = []
         emitted = 0
-        for i in (~checked).nonzero()[0].tolist():
-            req = requests[i]
+        for row, (req, start, count) in enumerate(zip(result.requests, drafts.starts(), counts)):
+            end = start + count
+            last.append(token_ids[end - 1])
             if req.is_finished:  # cannot happen: the step before was read before this one was packed
                 continue
-            span = token_ids[starts[i]:ends[i]]
-            req.output_token_ids.extend(span)
-            emitted += len(span)
-            if not req.final_only:
-                rid = req.request_id
-                events.extend([(rid, tok) for tok in span])
-        for i in checked.nonzero()[0].tolist():
-            req = requests[i]
-            if req.is_finished:
+            span = token_ids[start:end]
+            if (row < n and room is not None and room[row] > _LENGTH_ROOM and req.grammar is None
+                    and stop_ids.isdisjoint(span)):  # nothing in its tokens can end it: all of them at once
+                req.output_token_ids.extend(span)
+                emitted += count
+                if not req.final_only:
+                    rid = req.request_id
+                    events.extend([(rid, tok) for tok in span])
                 continue
-            for pos in range(starts[i], ends[i]):
+            for pos in range(start, end):
                 emitted += 1
                 if self.updater.accept_at(req, result, pos, None, events, finish, exact_length=True) is not None:
                     break  # the tokens after a stop are dropped
         self.updater.settle_blocks(st.batch)
-        return events, [token_ids[end - 1] for end in ends], emitted
-
-    @staticmethod
-    def _rows_to_check(st: StepState, result: StepResult, tokens: np.ndarray, starts: np.ndarray,
-                       ends: np.ndarray) -> np.ndarray:
-        """(sampled rows,) the rows whose tokens go one by one: prefill rows (a first token), rows whose tokens hold
-        one of the rows' stop tokens, rows near their length limit, rows with a grammar; all when logprobs are read."""
-        n, rb = st.batch.num_rows, st.batch.rows
-        checked = np.ones(len(starts), dtype=bool)
-        if result.logprobs is not None:
-            return checked
-        checked[:n] = rb.computed[:n] + 2 >= rb.token_cap[:n]  # a row's tokens after the step: computed + 1
-        stop_ids = rb.stop_ids
-        if stop_ids and not stop_ids.isdisjoint(result.token_ids):
-            seen = np.concatenate(([0], np.cumsum(np.isin(tokens, np.fromiter(stop_ids, dtype=np.int64)))))
-            checked |= seen[ends] > seen[starts]
-        if rb.any_constrained:
-            checked[:n] |= [req.matcher is not None or req.grammar is not None for req in rb.requests[:n]]
-        return checked
+        return events, last, emitted

@@ -376,26 +376,20 @@ class RunningBatch:
         self.table_store[self.table_rows[row], start:start + len(blocks)] = blocks
         self.num_blocks[row] += len(blocks)
 
-    def keep_drafts(self, rows: np.ndarray, kept: np.ndarray) -> None:
-        """Each of rows (distinct) kept `kept` of its drafted tokens: its count grows by them, and its blocks and KV
-        slot are those of its tokens now (the caller returns the blocks past them first)."""
-        requests = self.requests
-        for row, k in zip(rows.tolist(), kept.tolist()):
-            if k:
-                req = requests[row]
-                req.num_computed_tokens = req.num_computed_tokens + k  # the request's offset; the array's below
-        computed = self.computed[rows] + kept
-        self.computed[rows] = computed
+    def keep_drafts(self, row: int, kept: int) -> None:
+        """A row kept `kept` of its drafted tokens: its count grows by them, and its blocks and KV slot are those of
+        its tokens now (the caller returns the blocks past them first)."""
+        req = self.requests[row]
+        req.num_computed_tokens = req.num_computed_tokens + kept  # the request's offset, then the row's array
+        computed = int(self.computed[row]) + kept
+        self.computed[row] = computed
+        if len(req.block_ids) != self.num_blocks[row]:
+            # blocks returned: a slot's copy of this row may hold one of them where a later block goes, at a count it
+            # would take as current; a new table id makes every slot write the row whole
+            self.table_ids[row] = next(self._table_ids)
+            self.num_blocks[row] = len(req.block_ids)
         bs = self.block_size
-        held = np.minimum(self.num_blocks[rows], -(-computed // bs))
-        shrunk = rows[held < self.num_blocks[rows]]
-        if shrunk.size:
-            # blocks returned: a slot's copy of such a row may hold one of them where a later block goes, at a count
-            # it would take as current; a new table id makes every slot write the row whole
-            self.table_ids[shrunk] = [next(self._table_ids) for _ in range(shrunk.size)]
-        self.num_blocks[rows] = held
-        last = computed - 1
-        self.kv_slots[rows] = self.table_store[self.table_rows[rows], last // bs].astype(np.int64) * bs + last % bs
+        self.kv_slots[row] = req.block_ids[(computed - 1) // bs] * bs + (computed - 1) % bs
 
     def advance(self, step_id: int) -> None:
         """Count one scheduled token for every row: its arrays, its count of steps (which the rows' requests read)

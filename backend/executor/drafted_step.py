@@ -82,7 +82,9 @@ class DraftedSteps:
         within = np.arange(n + D) - np.repeat(row_starts, lengths)
         positions = np.repeat(h["positions"][:n], lengths) + within
         ids = np.repeat(h["input_ids"][:n], lengths)
-        ids[drafts.start_array[drafts.draft_rows] + drafts.draft_offsets] = drafts.draft_tokens
+        for i, guess in enumerate(drafts.drafts[:n]):
+            if guess:
+                ids[starts[i] + 1:starts[i] + 1 + len(guess)] = guess
         blocks = rb.table_store[np.repeat(rb.table_rows, lengths), positions // bs]
         h["input_ids"][:n + D] = ids
         h["positions"][:n + D] = positions

@@ -6,9 +6,7 @@ many steps later would be (verify.expand_rows). The row keeps the leading drafts
 sample after them: e tokens emitted, its KV length advanced by exactly e, the blocks past them returned."""
 from __future__ import annotations
 
-from itertools import chain
-
-import numpy as np
+from itertools import accumulate
 
 from backend.core.kv_cache import BlockManager
 from backend.core.scheduler import ScheduledBatch
@@ -19,44 +17,30 @@ from backend.speculative.token_history import TokenHistory
 
 
 class StepDrafts:
-    """The drafts one step carries, per sampled row in the step's output-row order (decode rows first), and the
-    arrays the launch and the settling read them through."""
+    """The drafts one step carries, per sampled row in the step's output-row order (decode rows first), and each
+    row's span among the step's logits rows."""
 
-    __slots__ = ("drafts", "num_drafted", "lengths", "start_array", "draft_rows", "draft_tokens", "draft_offsets")
+    __slots__ = ("drafts", "counts", "num_drafted", "_starts")
 
     def __init__(self, drafts: list[list[int]]) -> None:
         self.drafts = drafts  # each sampled row's drafted tokens ([] for none; prefill rows never draft)
-        self.lengths = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))  # (rows,) drafts a row
-        self.num_drafted = int(self.lengths.sum())
-        counts = self.lengths + 1
-        self.start_array = np.cumsum(counts) - counts  # (rows,) each row's first position among the logits rows
-        self.draft_rows = np.repeat(np.arange(len(drafts)), self.lengths)  # (D,) each draft's row
-        self.draft_tokens = np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=self.num_drafted)
-        # (D,) each draft's place in its row's span: 1 for the first draft (0 is the row's own token)
-        self.draft_offsets = np.arange(self.num_drafted) - np.repeat(np.cumsum(self.lengths) - self.lengths,
-                                                                     self.lengths) + 1
-
-    @property
-    def counts(self) -> list[int]:
-        """Logits positions of each sampled row: its own token's and one per draft."""
-        return (self.lengths + 1).tolist()
+        self.counts = [1 + len(d) for d in drafts]  # logits positions of each row: its own token's and one per draft
+        self.num_drafted = sum(self.counts) - len(drafts)
+        self._starts = list(accumulate(self.counts, initial=0))[:-1]
 
     def starts(self) -> list[int]:
-        """Each sampled row's first position among the step's logits rows."""
-        return self.start_array.tolist()
+        """Each sampled row's first position among the step's logits rows (the caller must not change it)."""
+        return self._starts
 
-    def kept(self, tokens: np.ndarray) -> np.ndarray:
-        """(rows,) each row's leading drafts equal to the tokens the step sampled at their positions (a draft at
-        position i of a span is checked against the sample at i - 1: the model's token after the ones before it)."""
-        rows, offsets = self.draft_rows, self.draft_offsets
-        right = tokens[self.start_array[rows] + offsets - 1] == self.draft_tokens  # (D,)
-        # a draft counts while every draft before it in its row is right: the first wrong one of a row ends it
-        kept = self.lengths.copy()
-        wrong = ~right
-        if wrong.any():
-            first_wrong = np.full(len(self.lengths), np.iinfo(np.int64).max)
-            np.minimum.at(first_wrong, rows[wrong], offsets[wrong] - 1)
-            kept = np.minimum(kept, first_wrong)
+    def kept(self, tokens: list[int]) -> list[int]:
+        """Each row's leading drafts equal to the tokens the step sampled at their positions (draft j of a row is
+        checked against the row's j-th sample: the model's token after the ones before it)."""
+        kept = []
+        for start, guess in zip(self._starts, self.drafts):
+            k = 0
+            while k < len(guess) and guess[k] == tokens[start + k]:
+                k += 1
+            kept.append(k)
         return kept
 
 
@@ -130,48 +114,39 @@ class Speculator:
         n = batch.num_rows
         if not n:
             return None
-        prefill_sampled = sum(1 for s in batch.samples[n:] if s)
+        sampled = [req for req, s in zip(batch.requests[n:], batch.samples[n:]) if s]
         rb = batch.rows
-        # the step's room: a slot's token buffers, and its logits rows (every drafted position takes one)
-        room = min(self.max_step_tokens - batch.num_tokens, self.max_step_rows - n - prefill_sampled)
-        if room <= 0:
-            return None
-        caps = self._caps(rb)
-        if self.proposer.drafts_together:
-            self._prepare(batch, step, room, caps)
+        tokens_left = self.max_step_tokens - batch.num_tokens
+        rows_left = self.max_step_rows - n - len(sampled)
         bm = self.block_manager
-        bs = bm.block_size
-        computed, held = rb.computed.tolist(), rb.num_blocks.tolist()  # the fed token counted
-        free = bm.num_free_blocks
-        none: list[int] = []  # shared by every row without drafts (read only)
-        drafts = [none] * (n + prefill_sampled)
+        drafts: list[list[int]] = [[] for _ in range(n + len(sampled))]
         total = 0
+        if self.proposer.drafts_together:
+            self._prepare(batch, step, min(tokens_left, rows_left))
         for row, req in enumerate(rb.requests):
-            limit = min(caps[row], room)
-            if limit <= 0:
-                continue
-            guess = self._guess(req, step, limit, held[row] * bs - computed[row] + free * bs)
+            k = self._limit(rb, row, min(tokens_left, rows_left))
+            guess = self._guess(req, step, k) if k > 0 else []
             if not guess:
                 continue
-            need = -(-(computed[row] + len(guess)) // bs) - held[row]
-            if need > 0:  # the drafts run past the row's last block (a few rows a step)
-                bm.allocate_slots(req, len(guess))
-                rb.add_draft_blocks(row, req.block_ids[held[row]:])
-                free = bm.num_free_blocks
+            held = len(req.block_ids)
+            bm.allocate_slots(req, len(guess))
+            if len(req.block_ids) > held:
+                rb.add_draft_blocks(row, req.block_ids[held:])
             drafts[row] = guess
             total += len(guess)
-            room -= len(guess)
+            tokens_left -= len(guess)
+            rows_left -= len(guess)
         if not total:
             return None
         return StepDrafts(drafts)
 
-    def _prepare(self, batch: ScheduledBatch, step: int, room: int, caps: list[int]) -> None:
+    def _prepare(self, batch: ScheduledBatch, step: int, room: int) -> None:
         """Tell the proposer every row that may ask at this step and its most drafts (the policy's length within the
         row's cap and the step's room; the asks that follow may take fewer)."""
         rb = batch.rows
         histories, ks = [], []
         for row, req in enumerate(rb.requests):
-            k = min(caps[row], room)
+            k = self._limit(rb, row, room)
             if k > 0 and self.policy is not None:
                 k = self.policy.draft_length(req, step, k)
             if k > 0:
@@ -179,51 +154,47 @@ class Speculator:
                 ks.append(k)
         self.proposer.prepare(histories, ks)
 
-    def _caps(self, rb) -> list[int]:
-        """The most drafts each row may take: k, and its cap (max_tokens, max_model_len: the drafts never outrun
-        it); 0 for a request that does not speculate."""
-        caps = np.minimum(rb.token_cap - rb.computed - 1, self.k)
-        if rb.draftable_rows < len(rb.requests):
-            caps[[not req.may_speculate for req in rb.requests]] = 0
-        return caps.tolist()
+    def _limit(self, rb, row: int, room: int) -> int:
+        """The most drafts row may take: k, the step's room, and its cap (max_tokens, max_model_len: the drafts
+        never outrun it); 0 for a request that does not speculate."""
+        if not rb.requests[row].may_speculate:
+            return 0
+        return min(self.k, room, int(rb.token_cap[row] - rb.computed[row]) - 1)
 
-    def _guess(self, req: Request, step: int, limit: int, kv_room: int) -> list[int]:
-        """req's drafts at this step: as many as the policy allows (at most limit) and kv_room (the tokens its
-        blocks and the free blocks hold past its fed token) allows."""
+    def _guess(self, req: Request, step: int, limit: int) -> list[int]:
+        """req's drafts at this step: as many as the policy allows (at most limit) and its KV blocks can hold."""
         k = limit if self.policy is None else self.policy.draft_length(req, step, limit)
         if not k:
             return []
-        guess = self.proposer.propose(self._history(req), k)[:min(k, max(0, kv_room))]
+        guess = self.proposer.propose(self._history(req), k)[:k]
+        bs = self.block_manager.block_size
+        room = len(req.block_ids) * bs - req.num_computed_tokens + self.block_manager.num_free_blocks * bs
+        guess = guess[:max(0, room)]
         if not guess and self.policy is not None:
             self.policy.verified(req, 0, 0)  # nothing to propose: as a miss, so the row watches
         return guess
 
-    def settle(self, batch: ScheduledBatch, drafts: StepDrafts, tokens: np.ndarray) -> np.ndarray:
-        """The step's tokens (every position of every sampled row, as an array) read: each decode row keeps its
-        leading drafts that equal its samples, its count and blocks follow (the rest returned); returns the tokens
-        each sampled row emits from its first position (drafts.start_array): its kept drafts and the model's token
-        after them."""
-        kept = drafts.kept(tokens)
+    def settle(self, batch: ScheduledBatch, drafts: StepDrafts, tokens: list[int]) -> list[int]:
+        """The step's tokens (every position of every sampled row) read: each decode row keeps its leading drafts
+        that equal its samples, its count and blocks follow (the rest returned); returns the tokens each sampled row
+        emits from its first position (drafts.starts()): its kept drafts and the model's token after them."""
+        rb, bm, bs = batch.rows, self.block_manager, self.block_manager.block_size
+        kept_rows = drafts.kept(tokens)
         self.steps += 1
-        rows = drafts.lengths.nonzero()[0]  # decode rows that drafted (prefill rows never do)
-        if rows.size:
-            rb, bm, bs = batch.rows, self.block_manager, self.block_manager.block_size
-            proposed, kept_rows = drafts.lengths[rows], kept[rows]
-            self.drafts += len(rows)
-            self.proposed += drafts.num_drafted
-            self.accepted += int(kept_rows.sum())
-            keeping = np.bincount(kept_rows, minlength=self.k + 1)[::-1].cumsum()[::-1]  # rows keeping >= i drafts
-            for position in range(self.k):
-                self.accepted_per_position[position] += int(keeping[position + 1])
+        for row, (guess, kept) in enumerate(zip(drafts.drafts, kept_rows)):
+            if not guess:
+                continue
+            self.drafts += 1
+            self.proposed += len(guess)
+            self.accepted += kept
+            for position in range(kept):
+                self.accepted_per_position[position] += 1
+            req = rb.requests[row]
             if self.policy is not None:
-                for row, p, k in zip(rows.tolist(), proposed.tolist(), kept_rows.tolist()):
-                    self.policy.verified(rb.requests[row], p, k)
-            keep_blocks = -(-(rb.computed[rows] + kept_rows) // bs)
-            shrink = keep_blocks < rb.num_blocks[rows]  # rows whose rejected drafts took blocks of their own
-            for row, keep in zip(rows[shrink].tolist(), keep_blocks[shrink].tolist()):
-                bm.release_tail(rb.requests[row], keep)
-            rb.keep_drafts(rows, kept_rows)
-        return kept + 1
+                self.policy.verified(req, len(guess), kept)
+            bm.release_tail(req, -(-(req.num_computed_tokens + kept) // bs))
+            rb.keep_drafts(row, kept)
+        return [kept + 1 for kept in kept_rows]
 
     def finished(self, req: Request) -> None:
         """req ended: its history (prompt and outputs) goes to the proposer, and is forgotten here."""
