@@ -245,11 +245,13 @@ def test_real_proposers_keep_outputs_equal(path, method):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """The default model on the CPU, loaded once: an engine without speculation and one with ngram over it."""
+    """The default model on the CPU, loaded once: an engine without speculation and one with ngram over it, every
+    row drafting at every step (the policy off: what the policy learnt in one test would decide whether the next
+    drafts at all)."""
     settings = dict(device="cpu", num_kv_blocks=128, max_num_seqs=8)
     plain = Engine(EngineConfig(**settings))
-    spec = Engine(EngineConfig(**settings, speculative_method="ngram"), model=plain.parts.model,
-                  tokenizer=plain.tokenizer)
+    spec = Engine(EngineConfig(**settings, speculative_method="ngram", speculative_adaptive=False),
+                  model=plain.parts.model, tokenizer=plain.tokenizer)
     yield plain, spec
     spec.shutdown()
     plain.shutdown()
