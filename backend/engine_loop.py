@@ -118,7 +118,8 @@ class EngineLoop:
     def _step_drafted(self) -> bool:
         """A step whose decode rows may carry drafts: the step in flight read first (a row's drafts follow its last
         token), then this one scheduled, drafted, packed, launched and read before the next is packed (a row's next
-        input depends on the drafts it kept)."""
+        input depends on the drafts it kept). Where no row had a draft after all, the step stays in flight and the
+        next one carries over from it, as after any plain step."""
         began = time.perf_counter()
         prev, self._inflight, emitted = self._inflight, None, 0
         if prev is not None:
@@ -145,11 +146,13 @@ class EngineLoop:
             else:
                 self._drafted.launch(cur, drafts)
         self.steps += 1
-        if drafts is None:
+        if drafts is not None:
+            emitted += self._complete_drafted(cur, drafts)
+        elif self.async_pipeline:  # nothing drafted after all: a plain step, left in flight as any other
+            self._inflight = cur
+        else:
             self._complete(cur, next_state=None)
             emitted += len(cur.sampled)
-        else:
-            emitted += self._complete_drafted(cur, drafts)
         self._speculation_step_done(batch.num_rows, drafts is not None, emitted, began)
         tl.next_step()
         self.refresh_stats()

@@ -101,3 +101,54 @@ def test_rows_that_cannot_draft_keep_the_async_pipeline(path, extra):
         engine.shutdown()
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert not entered
+
+
+class _UntilLength(Proposer):
+    """Proposes the reference continuation while the history is shorter than `until`, then nothing."""
+
+    name = "until-length"
+
+    def __init__(self, sequences, until: int) -> None:
+        self.sequences = [list(s) for s in sequences]
+        self.until = until
+
+    def propose(self, history, k):
+        tokens = history.tokens.tolist()
+        if len(tokens) >= self.until:
+            return []
+        for seq in self.sequences:
+            if seq[:len(tokens)] == tokens:
+                return seq[len(tokens):len(tokens) + k]
+        return []
+
+
+def test_a_step_due_to_draft_that_got_no_draft_stays_in_flight(path):
+    """A row drafts while its proposer has drafts; the step at which it has none (due to draft, so the step before
+    was read first) is a plain step: it stays in flight, and the next step, no longer due, is launched before it is
+    read (carried over from it), as on the async pipeline. Outputs unchanged."""
+    prompts = random_prompts([5], seed=25)  # one row: a step has no draft whenever its row has none
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
+    want, _, _ = _run(path, prompts, params)
+    engine = tiny_engine(path, True, speculative_method="ngram", **SETTINGS)
+    events: list[tuple[str, int]] = []  # ("plain" / "other" / "drafted" launch, or "read", step id), in order
+    inside = []  # non-empty while the loop runs a step due to draft
+    loop, runner = engine.loop, engine.parts.runner
+    step_drafted, launch, launch_drafted, read = loop._step_drafted, runner.launch_forward, loop._drafted.launch, runner.read
+    loop._step_drafted = lambda: inside.append(1) or (step_drafted(), inside.clear())[0]
+    runner.launch_forward = lambda st, prev: events.append(("plain" if inside else "other", st.batch.step_id)) or \
+        launch(st, prev)
+    loop._drafted.launch = lambda st, d: events.append(("drafted", st.batch.step_id)) or launch_drafted(st, d)
+    runner.read = lambda st, *rows: events.append(("read", st.batch.step_id)) or read(st, *rows)
+    try:
+        engine.speculator.proposer = _UntilLength([p + o.token_ids for p, o in zip(prompts, want)], until=25)
+        got = engine.generate(prompts, params)
+        accepted = engine.speculator.counts()["spec_accepted_tokens"]
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert accepted > 0
+    read_at = {step: i for i, (kind, step) in enumerate(events) if kind == "read"}
+    undrafted = [(i, step) for i, (kind, step) in enumerate(events) if kind == "plain"]
+    assert undrafted
+    # each such step is read only after a later step was launched
+    assert all(any(kind != "read" for kind, _ in events[i + 1:read_at[step]]) for i, step in undrafted)
