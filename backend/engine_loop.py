@@ -44,6 +44,7 @@ class EngineLoop:
         self._fault_every = fault_every
         self._fault_clock = 0  # scheduled steps, counted for the fault hook
         self.speculator = speculator
+        self._watch_pending = False  # a drafted step's watching rows have yet to guess (Speculator.watch)
         if speculator is not None:
             self._drafted = DraftedSteps(self.runner)
             self._drafted_updates = DraftedStepUpdater(self.updates, speculator)
@@ -146,6 +147,8 @@ class EngineLoop:
             else:
                 self._drafted.launch(cur, drafts)
         self.steps += 1
+        if self._watch_pending:  # the drafted step before's watching rows, while this one runs
+            self._watch()
         if drafts is not None:
             emitted += self._complete_drafted(cur, drafts)
         elif self.async_pipeline:  # nothing drafted after all: a plain step, left in flight as any other
@@ -160,8 +163,16 @@ class EngineLoop:
 
     def _speculation_step_done(self, num_rows: int, drafted: bool, emitted: int, began: float) -> None:
         """A step's tokens applied: the draft policy hears what it gave, and the watching rows guess, their guesses
-        checked (Speculator.watch)."""
+        checked (Speculator.watch). After a drafted step nothing runs on the GPU: they guess once the next step is
+        queued, beside its GPU work."""
         self.speculator.step_done(self.steps, num_rows, drafted, emitted, time.perf_counter() - began)
+        if drafted:
+            self._watch_pending = True
+        else:
+            self._watch()
+
+    def _watch(self) -> None:
+        self._watch_pending = False
         rb = self.scheduler.batch
         self.speculator.watch(rb.requests, rb.draftable_rows, self.steps)
 

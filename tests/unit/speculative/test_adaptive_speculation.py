@@ -152,3 +152,31 @@ def test_a_step_due_to_draft_that_got_no_draft_stays_in_flight(path):
     assert undrafted
     # each such step is read only after a later step was launched
     assert all(any(kind != "read" for kind, _ in events[i + 1:read_at[step]]) for i, step in undrafted)
+
+
+def test_after_a_drafted_step_the_watching_rows_guess_once_the_next_step_is_queued(path):
+    """Nothing runs on the device between a drafted step's read and the next launch, so the watching rows' guesses
+    (Speculator.watch) wait for that launch and run beside the next step; outputs unchanged."""
+    prompts = random_prompts([5, 8], seed=26)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 2
+    want, _, _ = _run(path, prompts, params)
+    engine = tiny_engine(path, True, speculative_method="ngram", **SETTINGS)
+    events: list[str] = []
+    loop, runner, speculator = engine.loop, engine.parts.runner, engine.speculator
+    launch, launch_drafted, read_drafted, watch = (runner.launch_forward, loop._drafted.launch, loop._drafted.read,
+                                                   speculator.watch)
+    runner.launch_forward = lambda st, prev: events.append("launch") or launch(st, prev)
+    loop._drafted.launch = lambda st, d: events.append("launch") or launch_drafted(st, d)
+    loop._drafted.read = lambda st, d: events.append("drafted read") or read_drafted(st, d)
+    speculator.watch = lambda *a: events.append("watch") or watch(*a)
+    try:
+        speculator.proposer = ReplayProposer([p + o.token_ids for p, o in zip(prompts, want)], wrong=False)
+        got = engine.generate(prompts, params)
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    reads = [i for i, e in enumerate(events) if e == "drafted read"]
+    assert reads and "watch" in events
+    for i in reads:  # up to the next launch (or the end), no guessing
+        after = events[i + 1:]
+        assert "watch" not in after[:after.index("launch") if "launch" in after else len(after)]
