@@ -6,16 +6,24 @@ from typing import Iterable
 import numpy as np
 
 
+MAX_CANDIDATES = 1024  # occurrences of the last token a match starts from: its latest ones
+
+
 class TokenHistory:
     """Tokens in order (a prompt, then its output; or many outputs, each ended by SEPARATOR), with the positions of
     every token, so the earlier occurrences of a suffix are found without scanning the whole sequence."""
 
     SEPARATOR = -1  # ends one sequence in a shared history: no match runs across it
 
-    def __init__(self, tokens: Iterable[int] = ()) -> None:
+    def __init__(self, tokens: Iterable[int] = (), max_candidates: int = MAX_CANDIDATES) -> None:
+        """max_candidates: matches() starts from this many of the last token's latest occurrences (in a history of
+        a million tokens a common token occurs a hundred thousand times: all of them cost milliseconds a match)."""
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be positive, got {max_candidates}")
         self._buffer = np.empty(256, dtype=np.int64)
         self._length = 0
         self._positions: dict[int, list[int]] = {}
+        self.max_candidates = max_candidates
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -42,14 +50,16 @@ class TokenHistory:
     def matches(self, context: np.ndarray, max_length: int, end: int | None = None) -> tuple[int, np.ndarray]:
         """The longest m <= max_length such that context's last m tokens occur in this history ending before `end`
         (default: anywhere), with m >= 1 and at least one token after them; returns m and the positions of the
-        occurrences' last tokens (ascending). (0, empty) when context's last token never occurred."""
+        occurrences' last tokens (ascending). (0, empty) when context's last token never occurred. Only occurrences
+        that end at one of the last token's latest max_candidates + 1 occurrences are found (the one more: where the
+        context is this history, its own last token is the latest)."""
         end = self._length if end is None else end
         if len(context) == 0:
             return 0, np.empty(0, dtype=np.int64)
         found = self._positions.get(int(context[-1]))
         if not found:
             return 0, np.empty(0, dtype=np.int64)
-        candidates = np.asarray(found, dtype=np.int64)
+        candidates = np.asarray(found[-self.max_candidates - 1:], dtype=np.int64)  # + 1: the last may be excluded
         candidates = candidates[candidates < end - 1]  # a token must follow the occurrence, inside the history
         length = 1 if len(candidates) else 0
         buffer = self._buffer

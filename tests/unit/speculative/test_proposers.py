@@ -87,7 +87,7 @@ def test_suffix_keeps_a_bounded_share_of_recent_outputs():
         proposer.finished(TokenHistory([0] + [100 + i, 200 + i, 300 + i, 400 + i, 500 + i]), 1)
     assert proposer.propose(TokenHistory([7, 109, 209]), 2) == [309, 409]  # the newest are kept
     assert proposer.propose(TokenHistory([7, 100, 200]), 2) == []  # the oldest are forgotten
-    assert len(proposer._shared) <= 40
+    assert len(proposer._older) + len(proposer._newer) <= 40
 
 
 def test_make_proposer_names_the_methods():
@@ -108,3 +108,15 @@ def test_latest_match_is_what_matches_gives_or_no_answer(tokens, max_length, sca
     earlier = sum(1 for t in tokens[:-1] if t == tokens[-1])
     if got is not None or earlier <= scan:
         assert got == want
+
+
+def test_matches_start_from_the_latest_occurrences_of_the_last_token():
+    """[8, 9] occurred long ago (ending at 1); 9 alone occurred since at 4, 7 and 10. Starting from every occurrence
+    the longest match is the old one; starting from the latest two, it is 9 alone at those two."""
+    tokens = [8, 9, 0, 5, 9, 1, 6, 9, 2, 7, 9, 3, 8, 9]
+    length, ends = TokenHistory(tokens).matches(np.array(tokens), 4)
+    assert length == 2 and ends.tolist() == [1]
+    length, ends = TokenHistory(tokens, max_candidates=2).matches(np.array(tokens), 4)
+    assert length == 1 and ends.tolist() == [7, 10]
+    with pytest.raises(ValueError, match="max_candidates"):
+        TokenHistory(tokens, max_candidates=0)
