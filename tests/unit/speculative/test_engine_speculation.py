@@ -397,3 +397,27 @@ def test_streamed_tokens_arrive_once_and_in_order(path):
     assert [t for d in deltas for t in d] == want[0].token_ids
     assert final.token_ids == want[1].token_ids
     assert accepted > 0 and max(map(len, deltas)) > 1  # drafts kept: some outputs carried several tokens
+
+
+@pytest.mark.parametrize("async_pipeline", [True, False])
+def test_a_failed_drafted_step_fails_its_requests_and_returns_every_block(path, async_pipeline):
+    """Every fifth step raises while rows draft: each request in flight ends once, with the error; every block (the
+    drafts' too) comes back, the speculator forgets the requests, and the next requests draft and finish."""
+    prompts = random_prompts([6, 9, 12], seed=17)
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)] * 3
+    reference = _reference(path, prompts, params)
+    engine = tiny_engine(path, async_pipeline, speculative_method="ngram",
+                         **{**SETTINGS, "test_fault_every_n_steps": 5})
+    try:
+        engine.speculator.proposer = OracleProposer(reference)
+        free = engine.block_manager.num_free_blocks
+        outs = engine.generate(prompts, params)
+        assert [o.finish_reason for o in outs] == ["error"] * 3
+        assert all("injected fault" in o.error for o in outs)
+        assert engine.speculator.counts()["spec_steps"] > 0  # drafted steps ran before the fault
+        assert kv_blocks_used_after_settling(engine) == 0 and engine.block_manager.num_free_blocks == free
+        assert not engine.speculator._histories and engine.healthy
+        short = engine.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+        assert short.finish_reason == "length" and short.token_ids == reference[0][len(prompts[0]):][:3]
+    finally:
+        engine.shutdown()
