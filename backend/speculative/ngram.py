@@ -17,13 +17,8 @@ class NgramProposer(Proposer):
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, history: TokenHistory, k: int) -> list[int]:
-        if k < 1:
+        length, occurrences = history.matches(history.tokens, self.max_n)
+        if length < self.min_n or k < 1:
             return []
-        found = history.latest_match(self.max_n)  # the common case, answered from the latest occurrences alone
-        if found is None:
-            length, occurrences = history.matches(history.tokens, self.max_n)
-            found = (length, int(occurrences[-1]) if length else -1)
-        length, end = found
-        if length < self.min_n:
-            return []
-        return history.tokens[end + 1:end + 1 + k].tolist()
+        start = int(occurrences[-1]) + 1
+        return [int(t) for t in history.tokens[start:start + k]]

@@ -3,6 +3,7 @@ prompt and output and in other requests' recent outputs (SuffixDecoding, Oliaro 
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 
@@ -14,9 +15,8 @@ class SuffixProposer(Proposer):
     """Matches the row's last tokens (up to max_depth) against its own history and against the outputs of requests
     that ended recently (at most shared_tokens of them), then walks the matches forward: each next token is the one
     that most often followed, kept while the path's frequency stays at least min_probability. Up to
-    max_spec_factor x the match's length tokens are proposed (a longer match earns a longer guess); of the sources
-    (the row's own tokens, the newer and the older half of the recent outputs), the path with the higher summed
-    frequency wins."""
+    max_spec_factor x the match's length tokens are proposed (a longer match earns a longer guess); of the two
+    sources, the path with the higher summed frequency wins."""
 
     name = "suffix"
 
@@ -27,15 +27,13 @@ class SuffixProposer(Proposer):
                              "max_spec_factor > 0 and shared_tokens >= 0")
         self.max_depth, self.min_probability, self.max_spec_factor = max_depth, min_probability, max_spec_factor
         self.shared_tokens = shared_tokens
-        # the recent outputs, each ended by TokenHistory.SEPARATOR, in two generations of at most half of
-        # shared_tokens each: the newer takes each finished output, and once full becomes the older, the older
-        # forgotten; no history is ever rebuilt (rebuilding half a million tokens paused the loop thread ~170 ms)
-        self._older, self._newer = TokenHistory(), TokenHistory()
+        self._outputs: deque[list[int]] = deque()  # the recent outputs, oldest first
+        self._shared = TokenHistory()  # those outputs, each ended by TokenHistory.SEPARATOR
 
     def propose(self, history: TokenHistory, k: int) -> list[int]:
         context = history.tokens
         best: tuple[float, list[int]] = (0.0, [])
-        for source in (history, self._newer, self._older):
+        for source in (history, self._shared):
             length, occurrences = source.matches(context, self.max_depth)
             if length == 0:
                 continue
@@ -46,12 +44,16 @@ class SuffixProposer(Proposer):
         return best[1]
 
     def finished(self, history: TokenHistory, prompt_length: int) -> None:
-        output = history.tokens[prompt_length:].tolist()
+        output = [int(t) for t in history.tokens[prompt_length:]]
         if not output or self.shared_tokens == 0:
             return
-        if len(self._newer) + len(output) + 1 > self.shared_tokens // 2:
-            self._older, self._newer = self._newer, TokenHistory()
-        self._newer.extend(output + [TokenHistory.SEPARATOR])
+        self._outputs.append(output)
+        self._shared.extend(output + [TokenHistory.SEPARATOR])
+        if len(self._shared) > self.shared_tokens:  # forget the oldest half: rebuilt rarely, never grown unbounded
+            kept = len(self._shared)
+            while kept > self.shared_tokens // 2:
+                kept -= len(self._outputs.popleft()) + 1
+            self._shared = TokenHistory(t for o in self._outputs for t in o + [TokenHistory.SEPARATOR])
 
     def _walk(self, tokens: np.ndarray, occurrences: np.ndarray, limit: int) -> tuple[float, list[int]]:
         """Follow the occurrences forward, most frequent next token first, while the path's frequency holds."""

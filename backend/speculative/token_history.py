@@ -70,35 +70,3 @@ class TokenHistory:
                 break
             candidates, length = kept, length + 1
         return length, candidates
-
-    def latest_match(self, max_length: int, scan: int = 32) -> tuple[int, int] | None:
-        """(m, end) for this history's own last tokens, as matches() would give them: the longest m <= max_length
-        such that its last m tokens occurred earlier with a token after them, and where the latest such occurrence
-        ends; (0, -1) when its last token never occurred before. Looks at the latest `scan` occurrences of the last
-        token only, in Python (a few µs where matches() costs tens); None when the answer may lie further back."""
-        n = self._length
-        if n < 2 or max_length < 1:
-            return 0, -1
-        buffer = self._buffer
-        found = self._positions.get(int(buffer[n - 1]))
-        if not found:
-            return 0, -1
-        width = min(max_length, n - 1)
-        tail = buffer[n - width:n].tolist()[::-1]  # the last token first
-        best, best_end, looked = 0, -1, 0
-        for end in reversed(found):
-            if end > n - 2:  # the last token itself: nothing follows it
-                continue
-            if looked == scan:
-                return None  # not found whole among the latest: an older occurrence may match longer
-            looked += 1
-            length = 0
-            for earlier, mine in zip(buffer[max(0, end - width + 1):end + 1].tolist()[::-1], tail):
-                if earlier != mine:
-                    break
-                length += 1
-            if length > best:
-                best, best_end = length, end
-                if length == width:
-                    break  # no occurrence can match longer, and this is the latest that matches as long
-        return best, best_end

@@ -87,27 +87,13 @@ def test_suffix_keeps_a_bounded_share_of_recent_outputs():
         proposer.finished(TokenHistory([0] + [100 + i, 200 + i, 300 + i, 400 + i, 500 + i]), 1)
     assert proposer.propose(TokenHistory([7, 109, 209]), 2) == [309, 409]  # the newest are kept
     assert proposer.propose(TokenHistory([7, 100, 200]), 2) == []  # the oldest are forgotten
-    assert len(proposer._older) + len(proposer._newer) <= 40
+    assert len(proposer._shared) <= 40
 
 
 def test_make_proposer_names_the_methods():
     assert make_proposer("ngram").name == "ngram" and make_proposer("suffix").name == "suffix"
     with pytest.raises(ValueError, match="speculative_method must be one of ngram, suffix"):
         make_proposer("eagle")
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=80), st.integers(1, 5), st.integers(0, 4))
-def test_latest_match_is_what_matches_gives_or_no_answer(tokens, max_length, scan):
-    """The first look at the latest occurrences never gives a wrong answer: where it answers, it is matches()'s
-    longest length and that length's latest occurrence; with every occurrence looked at, it always answers."""
-    history = TokenHistory(tokens)
-    got = history.latest_match(max_length, scan)
-    length, occurrences = history.matches(history.tokens, max_length)
-    want = (length, int(occurrences[-1]) if length else -1)
-    earlier = sum(1 for t in tokens[:-1] if t == tokens[-1])
-    if got is not None or earlier <= scan:
-        assert got == want
 
 
 def test_matches_start_from_the_latest_occurrences_of_the_last_token():
