@@ -70,3 +70,13 @@ class TokenHistory:
                 break
             candidates, length = kept, length + 1
         return length, candidates
+
+    def release(self, budget: int) -> bool:
+        """Drop up to about `budget` positions of the index (a history no longer read, let go a part at a time: the
+        index of a million tokens costs tens of ms to free at once); True once nothing is left."""
+        positions = self._positions
+        while positions and budget > 0:
+            budget -= len(positions.popitem()[1])
+        if not positions:
+            self._buffer, self._length = self._buffer[:0], 0
+        return not positions

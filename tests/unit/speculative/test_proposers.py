@@ -106,3 +106,32 @@ def test_matches_start_from_the_latest_occurrences_of_the_last_token():
     assert length == 1 and ends.tolist() == [7, 10]
     with pytest.raises(ValueError, match="max_candidates"):
         TokenHistory(tokens, max_candidates=0)
+
+
+def test_suffix_makes_its_kept_half_anew_a_chunk_at_a_time():
+    """Past shared_tokens, the newer half is indexed anew at most rebuild_chunk tokens (one output at least) per
+    finished request; meanwhile proposals still see every output, and once it is done the oldest are forgotten."""
+    proposer = SuffixProposer(shared_tokens=60, rebuild_chunk=13, max_spec_factor=8.0)
+    outputs = [[100 + i, 200 + i, 300 + i, 400 + i, 500 + i] for i in range(14)]  # 6 tokens each with the separator
+    indexed = []
+    for i, output in enumerate(outputs):
+        before = len(proposer._successor) if proposer._successor is not None else 0
+        proposer.finished(TokenHistory([0] + output), 1)
+        if proposer._successor is not None:
+            indexed.append(len(proposer._successor) - before)
+            assert proposer.propose(TokenHistory([7, 100, 200]), 2) == [300, 400]  # the oldest still matched
+        assert proposer.propose(TokenHistory([7, 100 + i, 200 + i]), 2) == [300 + i, 400 + i]  # the newest too
+    assert indexed and max(indexed) <= 13  # two 6-token outputs a call at most
+    assert proposer._successor is None  # done: the kept half is the shared history
+    assert proposer.propose(TokenHistory([7, 100, 200]), 2) == []  # the oldest are forgotten
+    assert len(proposer._shared) <= 60
+    with pytest.raises(ValueError, match="rebuild_chunk"):
+        SuffixProposer(rebuild_chunk=0)
+
+
+def test_a_history_lets_its_index_go_a_part_at_a_time():
+    history = TokenHistory([1, 2, 1, 3, 1, 4, 5, 6])
+    assert not history.release(3)  # 1's three positions, say, or a few tokens' one each
+    while not history.release(3):
+        pass
+    assert history.matches(np.array([1]), 4)[0] == 0 and len(history) == 0 and len(history.tokens) == 0
