@@ -16,6 +16,9 @@ from backend.speculative.proposer import Proposer
 from backend.speculative.token_history import TokenHistory
 
 
+PROMPT_INDEX_BUDGET = 8192  # prompt tokens indexed per proposing pass for new rows (a 32,000-token prompt at once: 6 ms)
+
+
 class StepDrafts:
     """The drafts one step carries, per sampled row in the step's output-row order (decode rows first), and each
     row's span among the step's logits rows."""
@@ -57,7 +60,8 @@ class Speculator:
         self.block_manager = block_manager
         self.max_step_tokens = max_step_tokens  # a slot's token buffers
         self.max_step_rows = max_step_rows  # a slot's logits and sampling rows: every drafted position takes one
-        self._histories: dict[Request, TokenHistory] = {}
+        self._histories: dict[Request, TokenHistory] = {}  # a row's prompt (indexed a budget a pass) and outputs
+        self._index_budget = PROMPT_INDEX_BUDGET  # prompt tokens this pass may still index
         # watching rows' unverified guesses: (outputs the row had when guessed, the guess), checked as tokens come
         self._guesses: dict[Request, tuple[int, list[int]]] = {}
         self.proposed = self.accepted = self.steps = self.drafts = 0  # drafts: rows' drafted spans verified
@@ -95,11 +99,14 @@ class Speculator:
                 self.policy.verified(req, len(guess), kept)
         if not self.policy.watch_due(step, draftable):
             return
+        self._index_budget = PROMPT_INDEX_BUDGET
         asking = [req for req in rows if req.may_speculate and req not in self._guesses
                   and self.policy.watch_length(req, step)]
+        histories = [self._history(req) for req in asking]
+        ready = [i for i, h in enumerate(histories) if h is not None]  # rows whose prompt is all indexed
+        asking, histories = [asking[i] for i in ready], [histories[i] for i in ready]
         if not asking:
             return
-        histories = [self._history(req) for req in asking]
         if self.proposer.drafts_together:
             self.proposer.prepare(histories, [self.k] * len(asking))
         for req, history in zip(asking, histories):
@@ -114,6 +121,7 @@ class Speculator:
         n = batch.num_rows
         if not n:
             return None
+        self._index_budget = PROMPT_INDEX_BUDGET
         sampled = [req for req, s in zip(batch.requests[n:], batch.samples[n:]) if s]
         rb = batch.rows
         tokens_left = self.max_step_tokens - batch.num_tokens
@@ -149,8 +157,9 @@ class Speculator:
             k = self._limit(rb, row, room)
             if k > 0 and self.policy is not None:
                 k = self.policy.draft_length(req, step, k)
-            if k > 0:
-                histories.append(self._history(req))
+            history = self._history(req) if k > 0 else None
+            if history is not None:
+                histories.append(history)
                 ks.append(k)
         self.proposer.prepare(histories, ks)
 
@@ -164,9 +173,10 @@ class Speculator:
     def _guess(self, req: Request, step: int, limit: int) -> list[int]:
         """req's drafts at this step: as many as the policy allows (at most limit) and its KV blocks can hold."""
         k = limit if self.policy is None else self.policy.draft_length(req, step, limit)
-        if not k:
+        history = self._history(req) if k else None
+        if history is None:  # no drafts allowed, or its prompt is not all indexed yet
             return []
-        guess = self.proposer.propose(self._history(req), k)[:k]
+        guess = self.proposer.propose(history, k)[:k]
         bs = self.block_manager.block_size
         room = len(req.block_ids) * bs - req.num_computed_tokens + self.block_manager.num_free_blocks * bs
         guess = guess[:max(0, room)]
@@ -202,10 +212,10 @@ class Speculator:
             self.policy.forget(req)
         self._guesses.pop(req, None)
         history = self._histories.pop(req, None)
-        if history is None:
-            if not req.output_token_ids:
-                return
-            history = TokenHistory(req.prompt_token_ids)
+        if history is None or len(history) < req.num_prompt_tokens:  # never proposed for, or its prompt half indexed
+            if req.output_token_ids:  # its outputs alone: a proposer learns from outputs (no prompt indexed for it)
+                self.proposer.finished(TokenHistory(req.output_token_ids), 0)
+            return
         self._catch_up(req, history)
         self.proposer.finished(history, req.num_prompt_tokens)
 
@@ -221,10 +231,22 @@ class Speculator:
         self.forget_all()
         self.proposer = None
 
-    def _history(self, req: Request) -> TokenHistory:
+    def _history(self, req: Request) -> TokenHistory | None:
+        """req's history, caught up with its outputs; None while its prompt is still being indexed: a pass indexes at
+        most PROMPT_INDEX_BUDGET prompt tokens, so a long prompt (or a wave of new rows) takes a few steps, not one
+        long pause."""
         history = self._histories.get(req)
         if history is None:
-            history = self._histories[req] = TokenHistory(req.prompt_token_ids)
+            history = self._histories[req] = TokenHistory()
+        missing = req.num_prompt_tokens - len(history)
+        if missing > 0:
+            if self._index_budget <= 0:
+                return None
+            take = min(missing, self._index_budget)
+            history.extend(req.prompt_token_ids[len(history):len(history) + take])
+            self._index_budget -= take
+            if take < missing:
+                return None
         self._catch_up(req, history)
         return history
 

@@ -421,3 +421,39 @@ def test_a_failed_drafted_step_fails_its_requests_and_returns_every_block(path, 
         assert short.finish_reason == "length" and short.token_ids == reference[0][len(prompts[0]):][:3]
     finally:
         engine.shutdown()
+
+
+def test_a_request_that_never_drafted_gives_the_proposer_its_outputs_alone(path):
+    """A request that opts out never has its prompt indexed; when it ends the proposer still learns its outputs, as a
+    history of the outputs alone (prompt length 0)."""
+    prompts = random_prompts([4, 8], seed=10)
+    params = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, speculate=False)]
+    want, _, _ = _run(path, prompts, params)
+    oracle = OracleProposer(_reference(path, prompts, params))
+    got, _, _ = _run(path, prompts, params, method="ngram", oracle=oracle)
+    assert _summary(got) == _summary(want)
+    assert sorted(oracle.finished_lengths) == [(9, 0), (13, 4)]
+
+
+def test_long_prompts_are_indexed_a_budget_a_pass(path, monkeypatch):
+    """With 4 prompt tokens indexed per proposing pass, the rows' prompts (13 and 18 tokens) take several passes
+    before they draft; then they draft, and outputs are unchanged."""
+    from backend.speculative import speculator as speculator_module
+
+    monkeypatch.setattr(speculator_module, "PROMPT_INDEX_BUDGET", 4)
+    prompts = random_prompts([13, 18], seed=14)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 2
+    want, _, _ = _run(path, prompts, params)
+    engine = tiny_engine(path, False, speculative_method="ngram", **SETTINGS)
+    waits, history = [], engine.speculator._history
+    engine.speculator._history = lambda req: waits.append(h := history(req)) or h
+    try:
+        engine.speculator.proposer = OracleProposer(_reference(path, prompts, params))
+        got = engine.generate(prompts, params)
+        accepted = engine.speculator.counts()["spec_accepted_tokens"]
+    finally:
+        engine.shutdown()
+    assert _summary(got) == _summary(want)
+    assert waits.count(None) >= (13 + 18) // 4 - 1  # passes that left a prompt half indexed
+    assert accepted > 0
