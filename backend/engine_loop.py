@@ -8,6 +8,7 @@ import time
 import torch
 
 from backend.core.drafted_update import DraftedStepUpdater
+from backend.core.scheduler import ScheduledBatch
 from backend.core.step_update import StepUpdater
 from backend.engine_inbox import EngineInbox
 from backend.engine_setup import EngineParts, device_scope
@@ -137,16 +138,7 @@ class EngineLoop:
             return prev is not None
         tl.cpu_span_since("schedule", started)
         self._count_step_for_faults()
-        with tl.cpu_span("pack"):
-            drafts = self.speculator.propose(batch, self.steps)
-            cur = self.runner.pack(batch, None)
-        with tl.cpu_span("launch"):
-            if drafts is None:
-                self.runner.launch_forward(cur, None)
-                self.runner.launch_sampling(cur, deferred=cur.sample_after_previous)
-            else:
-                self._drafted.launch(cur, drafts)
-        self.steps += 1
+        cur, drafts = self._launch_drafted(batch)
         if self._watch_pending:  # the drafted step before's watching rows, while this one runs
             self._watch()
         if drafts is not None:
@@ -160,6 +152,22 @@ class EngineLoop:
         tl.next_step()
         self.refresh_stats()
         return True
+
+    def _launch_drafted(self, batch: ScheduledBatch) -> tuple[StepState, StepDrafts | None]:
+        """Propose the scheduled step's drafts, pack it and queue it (widened by its drafts, or as a plain step where
+        no row has any); the step and its drafts."""
+        tl = self.timeline
+        with tl.cpu_span("pack"):
+            drafts = self.speculator.propose(batch, self.steps)
+            cur = self.runner.pack(batch, None)
+        with tl.cpu_span("launch"):
+            if drafts is None:
+                self.runner.launch_forward(cur, None)
+                self.runner.launch_sampling(cur, deferred=cur.sample_after_previous)
+            else:
+                self._drafted.launch(cur, drafts)
+        self.steps += 1
+        return cur, drafts
 
     def _speculation_step_done(self, num_rows: int, drafted: bool, emitted: int, began: float) -> None:
         """A step's tokens applied: the draft policy hears what it gave, and the watching rows guess, their guesses
