@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     result = dict(proposals=rows, finished_mean_us=round(statistics.fmean(finished), 1),
                   finished_worst_us=round(max(finished), 1), history_build_us=round(build, 1),
                   prompt_tokens=args.prompt)
-    print(f"suffix finished(): mean {result['finished_mean_us']:,.1f} µs, worst {result['finished_worst_us']:,.1f} µs "
+    print(f"suffix finished(): mean {result['finished_mean_us']:,.1f} µs, "
+          f"worst {result['finished_worst_us']:,.1f} µs "
           f"({args.outputs} outputs of {args.output_len}); a {args.prompt:,}-token prompt's history: "
           f"{result['history_build_us']:,.1f} µs")
     print(json.dumps(result))

@@ -16,7 +16,7 @@ from backend.speculative.proposer import Proposer
 from backend.speculative.token_history import TokenHistory
 
 
-PROMPT_INDEX_BUDGET = 8192  # prompt tokens indexed per proposing pass for new rows (a 32,000-token prompt at once: 6 ms)
+PROMPT_INDEX_BUDGET = 8192  # prompt tokens a proposing pass indexes for new rows (32,000 at once took 6 ms)
 
 
 class StepDrafts:

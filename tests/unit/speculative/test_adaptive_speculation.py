@@ -133,7 +133,8 @@ def test_a_step_due_to_draft_that_got_no_draft_stays_in_flight(path):
     events: list[tuple[str, int]] = []  # ("plain" / "other" / "drafted" launch, or "read", step id), in order
     inside = []  # non-empty while the loop runs a step due to draft
     loop, runner = engine.loop, engine.parts.runner
-    step_drafted, launch, launch_drafted, read = loop._step_drafted, runner.launch_forward, loop._drafted.launch, runner.read
+    step_drafted, launch, read = loop._step_drafted, runner.launch_forward, runner.read
+    launch_drafted = loop._drafted.launch
     loop._step_drafted = lambda: inside.append(1) or (step_drafted(), inside.clear())[0]
     runner.launch_forward = lambda st, prev: events.append(("plain" if inside else "other", st.batch.step_id)) or \
         launch(st, prev)
