@@ -4,8 +4,6 @@ eager forward with logits at every drafted position, every position sampled as t
 count where one holds its logits rows (graphs.py), else it runs eagerly; the sampling is eager."""
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 import torch
 
@@ -30,52 +28,28 @@ class DraftedSteps:
         starts = drafts.starts()
         rows = starts[-1] + 1 + len(drafts.drafts[-1])
         max_len = self._widen(st, drafts, starts)
-        sample = self._sampling(st, drafts, starts, rows)
-        forward = self._forward(st, batch.num_tokens + drafts.num_drafted, rows, max_len, max(drafts.counts))
-        r.pipeline.launch_forward(slot, slot.i32_prefix + len(batch) * r.layout.max_blocks, forward)
-        r.pipeline.launch_sampling(slot, sample, st.read_logprobs)
-
-    def _forward(self, st: StepState, tokens: int, rows: int, max_len: int,
-                 longest_span: int) -> Callable[[], tuple[bool, float | None]]:
-        """The step's forward, to queue: the replay of a mixed or verify graph that holds its tokens and logits rows
-        (its inputs padded for it now), else an eager forward with logits at every drafted position."""
-        r, slot, batch = self.runner, st.slot, st.batch
+        greedy = r.all_plain_greedy(st)  # every position's token is its argmax: nothing to expand or edit
+        sampling = None if greedy else r.packer.sampling_rows(st, len(st.sampled))  # expanded on the device
+        edits = None if greedy else r.packer.logit_edits(st)
+        tokens = batch.num_tokens + drafts.num_drafted
+        width = -(-max_len // r.block_size)
+        longest_query = max(max(batch.num_new_tokens), max(drafts.counts))
         graph = r.graphs.verify_bucket_for(tokens, rows) if r.graphs is not None else None
         if graph is not None:
             r.packer.pad_mixed(slot, len(batch), tokens, graph[1], rows, r.graphs.verify_logits_rows(graph))
 
-            def replay() -> tuple[bool, float | None]:
+        def forward() -> tuple[bool, float | None]:
+            if graph is not None:
                 st.logits = r.graphs.replay_verify(slot, graph)
                 return not r.graphs.eager, r.graphs.idle_of(graph)
-
-            return replay
-        width = -(-max_len // r.block_size)
-        longest_query = max(max(batch.num_new_tokens), longest_span)
-
-        def eager() -> tuple[bool, float | None]:
-            st.logits = r.eager_forward(slot, len(batch), tokens, width, max_len, longest_query, None, rows)
+            st.logits = r._eager_forward(slot, len(batch), tokens, width, max_len, longest_query, None, rows)
             return False, 0.0
-
-        return eager
-
-    def _sampling(self, st: StepState, drafts: StepDrafts, starts: list[int],
-                  rows: int) -> Callable[[], tuple[int, bool, float]]:
-        """The sampling of every position, to queue after the forward: each position's argmax where every row is
-        plain greedy; else each row's settings expanded over its positions (verify.expand_rows), after its logit
-        edits, penalties and grammar masks."""
-        r, slot, batch = self.runner, st.slot, st.batch
-        if r.all_plain_greedy(st):  # every position's token is its argmax: nothing to expand or edit
-
-            def argmax() -> tuple[int, bool, float]:
-                r.step_ops.mixed.greedy_argmax(st.logits[:rows], slot.targets.tokens[:rows])
-                return rows, False, 0.0
-
-            return argmax
-        sampling = r.packer.sampling_rows(st, len(st.sampled))  # expanded on the device
-        edits = r.packer.logit_edits(st)
 
         def sample() -> tuple[int, bool, float]:
             logits = st.logits[:rows]  # a graph's padding rows past them
+            if greedy:
+                r.step_ops.mixed.greedy_argmax(logits, slot.targets.tokens[:rows])
+                return rows, False, 0.0
             firsts = host_to_device(np.asarray(starts, dtype=np.int64), logits.device)  # each row's first position
             if sampling.any_penalty:  # a position's outputs: the row's, its input token, the drafts before it
                 r.append_input_tokens(slot, sampling, len(starts), firsts)
@@ -89,7 +63,8 @@ class DraftedSteps:
             r.sampler.sample_into(logits, expand_rows(sampling, drafts.counts, drafts.drafts), slot.targets)
             return rows, False, 0.0
 
-        return sample
+        r.pipeline.launch_forward(slot, slot.i32_prefix + len(batch) * r.layout.max_blocks, forward)
+        r.pipeline.launch_sampling(slot, sample, st.read_logprobs)
 
     @staticmethod
     def _widen(st: StepState, drafts: StepDrafts, starts: list[int]) -> int:

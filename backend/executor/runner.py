@@ -102,7 +102,7 @@ class ModelRunner:
                 d["query_start_loc"][:num_seqs + 1].copy_(
                     torch.arange(0, t + 1, q, dtype=torch.int32, device=self.device))
                 d["logits_idx"][:num_seqs].copy_(torch.arange(q - 1, t, q, device=self.device))
-                self.eager_forward(slot, num_seqs, t, -(-q // self.block_size), q, q, None, num_seqs)
+                self._eager_forward(slot, num_seqs, t, -(-q // self.block_size), q, q, None, num_seqs)
             for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables", "query_start_loc",
                          "logits_idx"):
                 d[name].zero_()  # as the slot was made: a step's pack writes only the parts it changes
@@ -191,7 +191,7 @@ class ModelRunner:
         if plan.tokens is not None:  # the same, for prefill chunks beside decode rows
             st.logits = self.graphs.replay_mixed(slot, plan.tokens)
             return not self.graphs.eager, self.graphs.idle_of(("mixed", plan.tokens))
-        st.logits = self.eager_forward(slot, len(batch), batch.num_tokens, plan.width, plan.max_len,
+        st.logits = self._eager_forward(slot, len(batch), batch.num_tokens, plan.width, plan.max_len,
                                         max(batch.num_new_tokens), prev_slot, len(st.sampled))
         return False, 0.0
 
@@ -278,10 +278,8 @@ class ModelRunner:
             max_seq_len=max_seq_len,
         )
 
-    def eager_forward(self, slot: Slot, B: int, T: int, width: int, max_len: int, max_q: int,
-                      prev_slot: Slot | None, num_sampled: int) -> torch.Tensor:
-        """The slot's step as an eager forward (no graph holds it): B sequences, T tokens, logits (N, V) of its first
-        num_sampled logits rows."""
+    def _eager_forward(self, slot: Slot, B: int, T: int, width: int, max_len: int, max_q: int,
+                       prev_slot: Slot | None, num_sampled: int) -> torch.Tensor:
         ids = self.carry_over(slot, prev_slot, T)
         meta = self.metadata(slot, B, T, width, max_q, max_len)
         ops = self.step_ops.decode(B) if max_q == 1 else self.step_ops.mixed

@@ -204,7 +204,7 @@ def test_dependent_launch_decode_splits_launches_by_kind_of_step(model_path, tor
     tracking("decode_forward", lambda args: ("decode", args[2]))  # (slot, prev_slot, bucket, ...)
     tracking("mixed_forward", lambda args: ("mixed",))
     # (slot, B, T, width, max_len, max_q, ...): one-token rows are a decode step
-    tracking("eager_forward", lambda args: ("decode", args[1]) if args[5] == 1 else ("mixed",))
+    tracking("_eager_forward", lambda args: ("decode", args[1]) if args[5] == 1 else ("mixed",))
     log = LaunchLog(monkeypatch)
     for module, name in ((triton_linear, "_skinny_linear_kernel"), (triton_attention, "_decode_kernel"),
                          (triton_attention, "_prefill_kernel"), (triton_layers, "_rms_norm_kernel"),
