@@ -369,6 +369,7 @@ class RequestOutput:
     logprobs: list[dict[str, Any]] | None = None  # one entry per output token when asked
     delta_logprobs: list[dict[str, Any]] | None = None
     error: str | None = None  # message when finish_reason == "error"
+    invalid_request: bool = False  # that error is the request's own (its settings conflict), not the engine's
     num_cached_tokens: int = 0
     index: int = 0  # which sample of the request (n > 1); request_id is the caller's, shared by all samples
     first_token_time: float | None = None  # final outputs: time.monotonic() when the engine read the first token

@@ -87,6 +87,10 @@ class StepUpdater:
         reason = self._stop_reason(req, tok, length)
         if reason is None and req.matcher is not None:
             reason = _grammar_stop(req, tok)
+            if reason == FINISH_ERROR:
+                events.append(_grammar_conflict(req, tok))
+                finish(req, reason, next_state)
+                return reason
         if req.final_only:  # no per-step event: the output thread hears of it once, at the end
             if reason is None:
                 return None
@@ -162,8 +166,23 @@ class StepUpdater:
 
 def _grammar_stop(req: Request, tok: int) -> str | None:
     """Advance req's grammar by its new token: "stop" where the grammar is complete and can take no more, an error
-    where the token breaks it (the mask should have made that impossible), else None."""
+    where the token breaks it (the mask allowed no token: see _grammar_conflict), else None."""
     if not req.matcher.accept(tok):
-        log.error("request %s: token %d breaks its grammar", req.request_id, tok)
         return FINISH_ERROR
     return FINISH_STOP if req.matcher.is_stopped else None
+
+
+def _grammar_conflict(req: Request, tok: int) -> StepEvent:
+    """The final event of a row whose grammar refused its token. The mask lets through only tokens the grammar
+    allows, so that happens only where the request's bans left none of them: its own constraints conflict, which
+    the request can fix (its error says so); without such bans it is the engine's fault."""
+    p = req.params
+    rules = [name for name, on in (("bad_words", p.bad_words), ("allowed_token_ids", p.allowed_token_ids)) if on]
+    kept = req.output_token_ids[:-1]  # the refused token is not part of the output
+    tokens = kept if req.final_only else None
+    if not rules:
+        log.error("request %s: token %d breaks its grammar", req.request_id, tok)
+        return StepEvent(req.request_id, None, None, FINISH_ERROR, f"token {tok} breaks the request's grammar", tokens)
+    message = (f"no token may follow the first {len(kept)} output tokens: its {' and '.join(rules)} ban every token "
+               "its structured output allows there; loosen one of them")
+    return StepEvent(req.request_id, None, None, FINISH_ERROR, message, tokens, invalid_request=True)

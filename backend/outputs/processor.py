@@ -26,6 +26,7 @@ class StepEvent:
     finish_reason: str | None
     error: str | None = None
     all_tokens: list[int] | None = None  # a final-only request's final event: every output token
+    invalid_request: bool = False  # the error is the request's own (its settings conflict), not the engine's
 
 
 @dataclass(slots=True)
@@ -257,7 +258,7 @@ class OutputProcessor:
             request_id=req.group_id, index=req.sample_index, all_token_ids=state.token_ids, num_tokens=len(state.token_ids),
             text=state.text, delta_token_ids=delta_ids, delta_text=delta_text, finished=reason is not None,
             finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
-            logprobs=state.logprobs, delta_logprobs=delta_lp, error=ev.error,
+            logprobs=state.logprobs, delta_logprobs=delta_lp, error=ev.error, invalid_request=ev.invalid_request,
             num_cached_tokens=req.num_cached_tokens,
             first_token_time=req.first_token_time if reason is not None else None)
         if reason is not None:

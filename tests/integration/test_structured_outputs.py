@@ -5,8 +5,9 @@ regex, choice list or Lark grammar. Checked here: sampled outputs (temperature 1
 streaming and HTTP generate and end with finish reason "stop"; n = 3 gives three valid samples; a stop string cuts a
 constrained output; the request the OpenAI frontend builds for a forced tool call (a named function and "required")
 returns arguments that validate against the tool's schema; every bad constraint is a 400 whose message names the
-fault, and the server keeps serving; a cancelled constrained stream frees its resources. Schemas are bounded (enums,
-integer ranges, booleans) so that the small model's outputs end well within max_tokens.
+fault, and the server keeps serving; bans that leave the grammar no token end that request with INVALID_ARG; a
+cancelled constrained stream frees its resources. Schemas are bounded (enums, integer ranges, booleans) so that the
+small model's outputs end well within max_tokens.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 from tests.integration.test_triton_serving import (
     GrpcStream, grpc_inputs, http_generate, scrape, scrape_finished, wait_for,
 )
+from tests.integration.test_robustness_input import error_counts, settled_error_counts
 from tests.integration.test_vllm_conventions import CHAT, FRONTEND_FLAGS, ask
 from tests.structured_cases import CHOICES, GRAMMAR, GRAMMAR_LANGUAGE, PROMPT, REGEX, TOOL_SCHEMA
 
@@ -215,6 +217,28 @@ def test_bad_constraint_is_invalid_arg_and_the_server_keeps_serving(triton_serve
         {**SAMPLED, "structured_outputs": {"choice": ["yes", "no"]}})})
     assert good.status_code == 200, good.text
     assert good.json()["text_output"] in ("yes", "no") and good.json()["finish_reason"] == "stop", good.json()
+
+
+def test_bans_that_conflict_with_the_grammar_are_invalid_arg_after_the_tokens_before(triton_server):
+    """A request whose bad_words or allowed_token_ids ban every token its grammar allows next is at fault: its one
+    final response is INVALID_ARG (400 over HTTP) saying so, after the tokens it made; the server keeps serving."""
+    before = settled_error_counts(triton_server)
+    disjoint = {**SAMPLED, "structured_outputs": {"choice": CHOICES}, "allowed_token_ids": [28, 29]}
+    response = http_generate(triton_server, {"text_input": PROMPT, "sampling_parameters": json.dumps(disjoint)})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == ("no token may follow the first 0 output tokens: its allowed_token_ids ban "
+                                        "every token its structured output allows there; loosen one of them")
+    cities = {"max_tokens": 80, "temperature": 0, "bad_words": ["Lima", "Paris", "Oslo"],
+              "structured_outputs": CONSTRAINTS["json"][0]}
+    streamed = ask(triton_server, PROMPT, cities, stream=True, **FLAGS)
+    assert len(streamed.errors) == 1 and streamed.finals == 1, streamed.errors
+    assert "its bad_words ban every token its structured output allows" in streamed.errors[0].message()
+    assert streamed.text().startswith('{"city":"'), streamed.text()  # the tokens before the conflict were sent
+    wait_for(lambda: error_counts(triton_server)["INVALID_ARG"] >= before["INVALID_ARG"] + 2, 10,
+             "the INVALID_ARG count")
+    assert settled_error_counts(triton_server) == {**before, "INVALID_ARG": before["INVALID_ARG"] + 2}
+    good = ask(triton_server, PROMPT, {**SAMPLED, "structured_outputs": {"choice": CHOICES}}, stream=True, **FLAGS)
+    assert not good.errors and good.text() in CHOICES, (good.errors, good.text())
 
 
 # ---- cancellation ---------------------------------------------------------------------------------

@@ -154,3 +154,115 @@ def test_the_grammar_library_is_prepared_at_start_up_not_on_the_first_request(en
     finally:
         warm.shutdown()
         cold.shutdown()
+
+
+@pytest.mark.parametrize("kind, structured, stop, cut", [
+    ("regex", {"regex": REGEX}, ["-"], lambda text: re.fullmatch(r"[A-Z][a-z]{2,6}", text)),
+    ("choice", {"choice": CHOICES}, ["e"], lambda text: text in {c.split("e")[0] for c in CHOICES}),
+    ("grammar", {"grammar": GRAMMAR}, [" is"], lambda text: text == "The answer"),
+])
+def test_n_3_and_stop_strings_on_each_kind(engine, kind, structured, stop, cut):
+    """Three samples each follow the constraint with a matcher of their own; a stop string cuts a constrained
+    output as it cuts a free one."""
+    outs = engine.generate([PROMPT], _sampled(structured, n=3))
+    assert len(outs) == 3 and all(o.finish_reason == "stop" for o in outs)
+    if kind == "regex":
+        assert all(re.fullmatch(REGEX, o.text) for o in outs), [o.text for o in outs]
+    elif kind == "choice":
+        assert all(o.text in CHOICES for o in outs), [o.text for o in outs]
+    else:
+        assert all(re.fullmatch(GRAMMAR_LANGUAGE, o.text) for o in outs), [o.text for o in outs]
+    cut_outs = engine.generate([PROMPT], _sampled(structured, n=3, stop=stop))
+    for out in cut_outs:
+        assert out.finish_reason == "stop" and cut(out.text), out.text
+
+
+def test_a_stop_token_ends_a_constrained_row_where_it_comes(engine):
+    """stop_token_ids end a constrained row as they end a free one: the greedy output up to that token, which is
+    kept in the token ids and left out of the text."""
+    schema = {"json": TOOL_SCHEMA, "disable_any_whitespace": True}
+    full = engine.generate([PROMPT], SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=schema))[0]
+    stop = full.token_ids[6]
+    first = full.token_ids.index(stop)
+    cut = engine.generate([PROMPT], SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=schema,
+                                                   stop_token_ids=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.token_ids == full.token_ids[:first + 1]
+    assert cut.text == engine.tokenizer.decode(full.token_ids[:first])
+
+
+def test_min_tokens_holds_off_the_end_but_not_the_grammars_end(engine):
+    """min_tokens bans stop tokens while the grammar could go on, so an open pattern runs to the minimum; a grammar
+    that can take no more token (a complete choice) ends the row there, however short."""
+    open_pattern = engine.generate([PROMPT], SamplingParams(max_tokens=40, temperature=0.0, min_tokens=12,
+                                                            structured_outputs={"regex": "[a-z ]+"}))[0]
+    assert len(open_pattern.token_ids) >= 12 and re.fullmatch("[a-z ]+", open_pattern.text), open_pattern.text
+    complete = engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, min_tokens=5,
+                                                        structured_outputs={"choice": ["ok"]}))[0]
+    assert complete.finish_reason == "stop" and complete.text == "ok" and len(complete.token_ids) < 5
+
+
+def test_bans_that_leave_the_grammar_no_token_end_that_row_with_an_error_that_says_so(engine):
+    """bad_words or allowed_token_ids may ban every token the grammar allows next (the request's own constraints
+    conflict): that row ends with an error naming them, a request beside it is served, every KV block returns."""
+    hello = engine.tokenizer.encode("Hello", add_special_tokens=False)
+    schema = {"json": TOOL_SCHEMA, "disable_any_whitespace": True}
+    conflicting = [
+        SamplingParams(max_tokens=8, temperature=0.0, allowed_token_ids=hello, structured_outputs={"choice": CHOICES}),
+        # greedy: the model picks a city by its first letter, whose only continuations the bans take away
+        SamplingParams(max_tokens=80, temperature=0.0, bad_words=["Lima", "Paris", "Oslo"], structured_outputs=schema),
+    ]
+    free = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+    outs = engine.generate([PROMPT, PROMPT, "Tell me a story."], [*conflicting, free])
+    allowed, banned, beside = outs
+    assert allowed.finish_reason == "error" and allowed.invalid_request and allowed.token_ids == []
+    assert allowed.error == ("no token may follow the first 0 output tokens: its allowed_token_ids ban every token "
+                             "its structured output allows there; loosen one of them")
+    assert banned.finish_reason == "error" and banned.invalid_request
+    assert "its bad_words ban every token its structured output allows" in banned.error
+    assert banned.text.startswith('{"city":"') and not any(c in banned.text for c in ("Lima", "Paris", "Oslo"))
+    assert beside.finish_reason == "length" and len(beside.token_ids) == 16
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_json_object_outputs_are_json_objects(engine):
+    prompt = "Reply with a JSON object giving a person's name and age."
+    outs = engine.generate([prompt] * 4, [_sampled({"json_object": True}, seed=s, max_tokens=160) for s in range(4)])
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        assert isinstance(json.loads(out.text), dict), out.text
+
+
+def test_json_options_shape_the_output(engine):
+    """whitespace_pattern bounds the whitespace between JSON tokens; disable_additional_properties keeps an object
+    to the properties its schema names."""
+    spaced = engine.generate([PROMPT], _sampled({"json": TOOL_SCHEMA, "whitespace_pattern": "[ ]?"}, seed=2))[0]
+    assert spaced.finish_reason == "stop"
+    jsonschema.validate(json.loads(spaced.text), TOOL_SCHEMA)
+    assert not re.search(r"[\t\n]| {2}", spaced.text), spaced.text
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    closed = {**open_schema, "additionalProperties": False}
+    outs = engine.generate([PROMPT] * 4, [_sampled({"json": open_schema, "disable_additional_properties": True,
+                                                     "disable_any_whitespace": True}, seed=s) for s in range(4)])
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), closed)
+
+
+FN_ADD = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+FN_TAG = {"type": "structural_tag", "triggers": ["<fn"],
+          "structures": [{"begin": "<fn=add>", "schema": FN_ADD, "end": "</fn>"}]}
+
+
+def test_a_structural_tag_holds_the_call_to_its_schema(engine):
+    """Free text until a trigger, then the tagged call's schema. A bias on '<' and 'fn' makes the model call; the
+    stop string ends the output at the call's end tag, so the call's arguments are the text after the begin tag."""
+    tok = engine.tokenizer
+    push = {tok.encode(t, add_special_tokens=False)[0]: 6.0 for t in ("<", "fn")}
+    params = [_sampled({"structural_tag": FN_TAG, "disable_any_whitespace": True}, seed=s, max_tokens=40,
+                       logit_bias=push, stop=["</fn>"]) for s in range(3)]
+    calls = [out.text.split("<fn=add>", 1)[1] for out in engine.generate(["Add 3 by calling <fn=add>."] * 3, params)
+             if out.finish_reason == "stop" and "<fn=add>" in out.text]
+    assert calls, "no output made a call"
+    for arguments in calls:
+        jsonschema.validate(json.loads(arguments), FN_ADD)

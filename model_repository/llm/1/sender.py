@@ -208,6 +208,9 @@ class ResponseLoop:
         code = None  # the error code of an error response
         if stream.cancelled:
             response = None  # the client is gone: only close the stream
+        elif out.finish_reason == "error" and out.invalid_request:  # the request's own settings conflict
+            code = pb_utils.TritonError.INVALID_ARG
+            response = error_response(out.error, code)
         elif out.finish_reason == "error":
             code = pb_utils.TritonError.INTERNAL
             response = error_response(f"engine error: {out.error or 'unknown'}", code)
