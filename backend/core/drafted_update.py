@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+from backend.core.running_batch import LENGTH_MARGIN
 from backend.core.step_update import StepUpdater
 from backend.request import Request
 from backend.speculative.speculator import Speculator, StepDrafts
 from backend.step_records import StepResult, StepState
-
-_LENGTH_ROOM = 2  # a row whose token count after the step is this close to its cap takes the one-token rule
 
 
 class DraftedStepUpdater:
@@ -31,7 +30,7 @@ class DraftedStepUpdater:
         rb, n = st.batch.rows, st.batch.num_rows
         token_ids = result.token_ids
         # rows' room to their length caps, read before any request finishes and leaves the rows (None: every row
-        # takes the one-token rule, as logprobs are reported)
+        # takes the one-token rule, as logprobs are reported); no step runs ahead of a drafted one: they are current
         room = None if result.logprobs is not None else (rb.token_cap[:n] - rb.computed[:n]).tolist()
         stop_ids = rb.stop_ids
         events: list = []
@@ -43,7 +42,7 @@ class DraftedStepUpdater:
             if req.is_finished:  # cannot happen: the step before was read before this one was packed
                 continue
             span = token_ids[start:end]
-            if (row < n and room is not None and room[row] > _LENGTH_ROOM and req.grammar is None
+            if (row < n and room is not None and room[row] > LENGTH_MARGIN and req.grammar is None
                     and stop_ids.isdisjoint(span)):  # nothing in its tokens can end it: all of them at once
                 req.output_token_ids.extend(span)
                 emitted += count

@@ -52,9 +52,6 @@ class BlockManager:
         total = req.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(req.block_ids))
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_blocks)
-
     def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
         """Make req's blocks cover its computed tokens plus num_new_tokens; False if blocks ran out."""
         need = self.blocks_needed(req, num_new_tokens)

@@ -27,7 +27,10 @@ from backend.request import Request
 
 _KEPT_CHANGES = 8  # row changes remembered (RunningBatch.changes): a step's rows change a few times at most
 _SERIALS = count()  # each running batch's number, so state kept about one (a slot's block tables) names it
-_LENGTH_MARGIN = 3  # a packed row this close to its token cap may end at the step: the update checks it
+# a row whose token count, as it stands when a step's update runs, is this close to its token cap may end by length
+# there, so that update checks it token by token (the plain and the drafted update alike): one for the token the step
+# sampled, one of slack
+LENGTH_MARGIN = 2
 
 
 @dataclass(slots=True)
@@ -45,7 +48,8 @@ class PackedRows:
     def rows_that_may_end(self, tokens: list[int]) -> np.ndarray:
         """Rows whose token this step the update must check one by one: near a length limit, a token that is one of
         any row's stop tokens, or a row whose every token is checked."""
-        risky = self.computed + _LENGTH_MARGIN >= self.token_cap
+        # these counts predate the next step's token, which the loop (one step ahead) has counted by the update
+        risky = self.computed + 1 + LENGTH_MARGIN >= self.token_cap
         if not self.stop_ids.isdisjoint(tokens):
             risky |= np.isin(np.asarray(tokens), np.fromiter(self.stop_ids, dtype=np.int64))
         if self.checked_rows is not None:

@@ -7,8 +7,8 @@ from backend.request import SamplingParams
 
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 _PROMPT_CONTEXT = 5  # prompt tokens decoded in front of the output, so the first token keeps its spacing
-_TRIM_AFTER = 256
-_MAX_CHAR_TOKENS = 16  # past this many tokens the trailing bytes are invalid, not a partial character: emit  # drop window ids older than this, so the id list stays short
+_TRIM_AFTER = 256  # drop window ids older than this, so the id list stays short
+_MAX_CHAR_TOKENS = 16  # past this many tokens the trailing bytes are invalid, not a partial character: emit
 
 
 class IncrementalDetokenizer:
@@ -47,15 +47,6 @@ class IncrementalDetokenizer:
     def token_ids(self) -> list[int]:
         """All output tokens accepted so far (including ones excluded from the text)."""
         return self._token_ids
-
-    def add_tokens(self, token_ids: Iterable[int], exclude_from_text: bool = False) -> str:
-        """Accept new output tokens; return the text that became safe to emit ('' if none).
-
-        exclude_from_text: the tokens (EOS, a stop token id) join token_ids but their text never appears.
-        """
-        if not self.stage(token_ids, exclude_from_text):
-            return ""
-        return self.apply(*self._decode_pair(self.windows()), final=False)
 
     def stage(self, token_ids: Iterable[int], exclude_from_text: bool = False) -> bool:
         """Accept tokens without decoding; True when there is new text to decode (see windows/apply)."""

@@ -1,6 +1,6 @@
-"""CUDA graphs of the draft model's steady step (backend/speculative/draft_model.py), one per batch bucket, in a memory
-pool of their own and on a stream of their own; without CUDA the same body runs eagerly, so CI runs what the graphs
-hold."""
+"""CUDA graphs of the draft model's fixed-shape step (backend/speculative/draft_model.py), one per batch bucket, in a
+memory pool of their own and on a stream of their own; without CUDA the same body runs eagerly, so CI runs what the
+graphs hold."""
 from __future__ import annotations
 
 import bisect

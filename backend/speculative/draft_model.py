@@ -5,7 +5,8 @@ A step's drafting is one fixed-shape body, a CUDA graph per batch bucket (specul
 its history's last FEED tokens (at most that many are new to the draft cache after a drafted step: the last draft
 kept and the token after it; an older one fed again is written over with its own entry), the greedy pick after them
 is the first draft, and k - 1 one-token forwards feed each pick in turn. A row further behind (new, or drafting
-again after watching under the draft policy) first has the rest fed by one eager forward. The drafts reach the host once, at the end."""
+again after watching under the draft policy) first has the rest fed by one eager forward. The drafts reach the host
+once, at the end."""
 from __future__ import annotations
 
 import contextlib
@@ -60,7 +61,7 @@ class DraftModelProposer(Proposer):
             behind = [(h, s) for h, s in kept if s < len(h) - FEED]
             if behind:
                 self._catch_up(behind)
-            drafts = self._steady([h for h, _ in kept])
+            drafts = self._fixed_shape_step([h for h, _ in kept])
         for (history, _), row in zip(kept, drafts):
             self.cache.written(history, row[:-1])
             self._ready[history] = row
@@ -102,7 +103,7 @@ class DraftModelProposer(Proposer):
         ids = torch.from_numpy(np.concatenate(fed).astype(np.int64)).to(dev)
         self.model(ids, torch.from_numpy(positions.astype(np.int64)).to(dev), self.kv_cache, meta)
 
-    def _steady(self, histories: list[TokenHistory]) -> list[list[int]]:
+    def _fixed_shape_step(self, histories: list[TokenHistory]) -> list[list[int]]:
         """The fixed-shape step over every row (the graph of its bucket on CUDA); each row's k drafts."""
         n = len(histories)
         bucket = self.graphs.bucket_for(n)
@@ -146,7 +147,7 @@ class DraftModelProposer(Proposer):
 
 
 class _StepInputs:
-    """The steady step's device buffers at fixed addresses (what its graphs read and write), and its index tables."""
+    """The fixed-shape step's device buffers at fixed addresses (what its graphs read and write), and index tables."""
 
     def __init__(self, max_rows: int, columns: int, k: int, device: torch.device) -> None:
         def rows_of(*shape, dtype=torch.int64):

@@ -107,8 +107,9 @@ class DraftPolicy:
     def step_done(self, step: int, num_rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         """Step step, of num_rows decode rows, emitted tokens in seconds (a drafted step's time includes reading
         the step before it, and its tokens that step's)."""
-        steady, self._last_plain = self._last_plain, not drafted
-        if seconds <= 0 or not num_rows or (not drafted and not steady):
+        # plain steps count only in runs: the first after a drafted one emits nothing (its tokens are read a step later)
+        after_plain, self._last_plain = self._last_plain, not drafted
+        if seconds <= 0 or not num_rows or (not drafted and not after_plain):
             return
         rates = self._buckets.setdefault(_bucket(num_rows), _BucketRates())
         rate = tokens / seconds

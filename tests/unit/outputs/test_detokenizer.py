@@ -4,6 +4,7 @@ import pytest
 from backend.outputs.detokenizer import IncrementalDetokenizer
 from backend.request import SamplingParams
 from tests.tiny_models import byte_level_bpe
+from tests.unit.outputs.detokenizer_steps import add_tokens
 
 SENTENCES = [
     "héllo wörld 日本語 🙂",
@@ -24,7 +25,7 @@ def stream(tokenizer, text, params, chunk=1, prompt="the prompt"):
     """Feed text's tokens chunk by chunk; return (deltas, detokenizer)."""
     ids = tokenizer.encode(text)
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), params)
-    deltas = [detok.add_tokens(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas = [add_tokens(detok, ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
     return deltas, detok
 
 
@@ -46,14 +47,14 @@ def test_deltas_concatenate_to_the_full_decode(tokenizer, chunk):
 def test_partial_character_is_held_until_complete(tokenizer):
     ids = tokenizer.encode("🙂")
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"), SamplingParams())
-    assert [detok.add_tokens([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
-    assert detok.add_tokens(ids[-1:]) == "🙂"
+    assert [add_tokens(detok, [i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert add_tokens(detok, ids[-1:]) == "🙂"
 
 
 def test_finish_releases_an_incomplete_character_as_the_full_decode_does(tokenizer):
     ids = tokenizer.encode("ab🙂")[:-1]
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
-    text = "".join(detok.add_tokens([i]) for i in ids) + detok.finish()
+    text = "".join(add_tokens(detok, [i]) for i in ids) + detok.finish()
     assert text == tokenizer.decode(ids)
 
 
@@ -65,7 +66,7 @@ def test_stop_string_spanning_tokens_truncates_exactly(tokenizer, stop, include)
     cut = TEXT.index(stop) + (len(stop) if include else 0)
     assert detok.stopped
     assert "".join(deltas) == detok.text == TEXT[:cut]
-    assert detok.finish() == "" and detok.add_tokens(tokenizer.encode(" more")) == ""
+    assert detok.finish() == "" and add_tokens(detok, tokenizer.encode(" more")) == ""
     assert detok.text == TEXT[:cut]
 
 
@@ -97,14 +98,14 @@ def test_special_tokens_are_skipped_or_kept(tokenizer):
     ids = tokenizer.encode("hello") + [eos_id] + tokenizer.encode(" world")
     for skip, expected in ((True, "hello world"), (False, f"hello{EOS} world")):
         detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=skip))
-        assert "".join(detok.add_tokens([i]) for i in ids) + detok.finish() == expected
+        assert "".join(add_tokens(detok, [i]) for i in ids) + detok.finish() == expected
 
 
 def test_excluded_tokens_join_token_ids_without_text(tokenizer):
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=False))
     ids = tokenizer.encode("hello")
-    text = detok.add_tokens(ids) + detok.add_tokens([eos_id], exclude_from_text=True) + detok.finish()
+    text = add_tokens(detok, ids) + add_tokens(detok, [eos_id], exclude_from_text=True) + detok.finish()
     assert text == "hello" and detok.token_ids == ids + [eos_id]
 
 
@@ -127,11 +128,11 @@ def test_real_smollm2_tokenizer():
     text = "héllo wörld 日本語 🙂\n  indented: café, END. 🚀"
     ids = tok.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, tok.encode("Hi there"), SamplingParams())
-    deltas = [detok.add_tokens([i]) for i in ids]
+    deltas = [add_tokens(detok, [i]) for i in ids]
     assert "".join(deltas) + detok.finish() == tok.decode(ids, skip_special_tokens=True) == text
     assert all("\ufffd" not in d for d in deltas)
     stopped = IncrementalDetokenizer(tok, [], SamplingParams(stop=["END."]))
-    assert "".join(stopped.add_tokens([i]) for i in ids) == text[: text.index("END.")]
+    assert "".join(add_tokens(stopped, [i]) for i in ids) == text[: text.index("END.")]
 
 
 def test_overlapping_stop_prefix_is_held_exactly(tokenizer):
@@ -149,7 +150,7 @@ def test_invalid_bytes_do_not_grow_the_window():
     detok = IncrementalDetokenizer(tok, [104, 105], SamplingParams())
     text = ""
     for _ in range(300):
-        text += detok.add_tokens([0x80])
+        text += add_tokens(detok, [0x80])
         assert len(detok.windows()[1]) <= 40
     text += detok.finish()
     assert text.count("\ufffd") == 300

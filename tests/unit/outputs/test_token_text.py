@@ -7,6 +7,7 @@ from backend.outputs.detokenizer import IncrementalDetokenizer
 from backend.outputs.token_text import TokenTexts
 from backend.request import SamplingParams
 from tests.tiny_models import byte_level_bpe
+from tests.unit.outputs.detokenizer_steps import add_tokens
 
 EOS = "<|im_end|>"
 
@@ -30,7 +31,7 @@ def test_special_tokens_follow_skip_special_tokens(tokenizer):
 def test_sampled_tokens_texts_make_up_the_text(tokenizer, skip):
     ids = tokenizer.encode("The capital of France is Paris.") + [tokenizer.convert_tokens_to_ids(EOS)]
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Q:"), SamplingParams(skip_special_tokens=skip))
-    text = "".join(detok.add_tokens([token]) for token in ids) + detok.finish()
+    text = "".join(add_tokens(detok, [token]) for token in ids) + detok.finish()
     decode = TokenTexts(tokenizer).decoder(skip)
     assert "".join(decode(token) for token in ids) == text
     assert text.endswith(EOS) is not skip
