@@ -244,6 +244,29 @@ class SpeculationMetrics:
                 self._seen_positions[position] = int(total)
 
 
+def _serving_families() -> dict[str, Any]:
+    """The metric families ServingMetrics reports in, by its own short names."""
+    counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+    return {
+        "prompt": _family("tandem_prompt_tokens_total", "Prompt tokens of finished requests", counter),
+        "generation": _family("tandem_generation_tokens_total", "Generated tokens", counter),
+        "requests": _family("tandem_requests_total", "Finished requests by finish reason", counter),
+        "errors": _family("tandem_request_errors_total",
+                          "Final error responses sent to clients, by Triton error code", counter),
+        "preemptions": _family("tandem_preemptions_total", "Requests preempted for KV space", counter),
+        "running": _family("tandem_num_requests_running", "Requests in the running batch", gauge),
+        "waiting": _family("tandem_num_requests_waiting", "Requests waiting to be scheduled", gauge),
+        "kv_usage": _family("tandem_kv_cache_usage_ratio", "Share of KV blocks in use (0..1)", gauge),
+        "kv_used": _family("tandem_kv_cache_blocks_used", "KV blocks in use", gauge),
+        "gpu_busy": _family("tandem_gpu_busy_ratio",
+                            "Share of wall time the GPU was busy, from spans known to hold no launch gaps", gauge),
+        "gpu_busy_uncertain": _family("tandem_gpu_busy_uncertain_ratio",
+                                      "Share of wall time covered by eagerly launched GPU spans whose kernel time "
+                                      "the timeline cannot know", gauge),
+        "healthy": _family("tandem_engine_healthy", "1 while the engine loop serves, 0 once it stopped", gauge),
+    }
+
+
 class ServingMetrics:
     """Latency distributions, token counters and engine gauges; updated from the sender thread only, except
     request_error() (any thread: see _CodeCounter). Counters and distributions reach Triton at flush(); gauges are
@@ -259,25 +282,7 @@ class ServingMetrics:
         itl = _Distribution("tandem_inter_token_latency_seconds", "Time between output tokens", labels, _ITL_BUCKETS)
         e2e = _Distribution("tandem_request_latency_seconds", "Request arrival to final response", labels,
                             _E2E_BUCKETS)
-        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
-        self._families = {
-            "prompt": _family("tandem_prompt_tokens_total", "Prompt tokens of finished requests", counter),
-            "generation": _family("tandem_generation_tokens_total", "Generated tokens", counter),
-            "requests": _family("tandem_requests_total", "Finished requests by finish reason", counter),
-            "errors": _family("tandem_request_errors_total",
-                              "Final error responses sent to clients, by Triton error code", counter),
-            "preemptions": _family("tandem_preemptions_total", "Requests preempted for KV space", counter),
-            "running": _family("tandem_num_requests_running", "Requests in the running batch", gauge),
-            "waiting": _family("tandem_num_requests_waiting", "Requests waiting to be scheduled", gauge),
-            "kv_usage": _family("tandem_kv_cache_usage_ratio", "Share of KV blocks in use (0..1)", gauge),
-            "kv_used": _family("tandem_kv_cache_blocks_used", "KV blocks in use", gauge),
-            "gpu_busy": _family("tandem_gpu_busy_ratio",
-                                "Share of wall time the GPU was busy, from spans known to hold no launch gaps", gauge),
-            "gpu_busy_uncertain": _family("tandem_gpu_busy_uncertain_ratio",
-                                          "Share of wall time covered by eagerly launched GPU spans whose kernel time "
-                                          "the timeline cannot know", gauge),
-            "healthy": _family("tandem_engine_healthy", "1 while the engine loop serves, 0 once it stopped", gauge),
-        }
+        self._families = _serving_families()
         f = self._families
         prompt_tokens = _Counter(f["prompt"].Metric(labels=labels))
         generation_tokens = _Counter(f["generation"].Metric(labels=labels))

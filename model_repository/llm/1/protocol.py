@@ -170,6 +170,31 @@ def response_arrays(req: ParsedRequest, outs: list[Any], prefix: str = "",
 
     decode_token: a token id's text, for the logprobs output's decoded_token; cumulative: each sample's logprob sum
     so far when the caller keeps it (else it is summed here)."""
+    texts, id_lists, logprob_lists, reasons, totals = _sample_parts(req, outs, prefix, new, cumulative)
+    arrays = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
+    if req.return_finish_reason:
+        arrays["finish_reason"] = np.array([r.encode() for r in reasons], dtype=np.object_)
+    # token counts are UINT32, as the vLLM backend sends them (Triton's OpenAI frontend reads usage from UINT32 only)
+    if req.return_num_input_tokens:
+        first = next(out for out in outs if out is not None)
+        arrays["num_input_tokens"] = np.array([first.num_prompt_tokens], dtype=np.uint32)
+    if req.return_num_output_tokens:
+        arrays["num_output_tokens"] = np.array([len(ids) for ids in id_lists], dtype=np.uint32)
+    if req.return_cumulative_logprob:  # the sum over every output token so far, also when streaming
+        arrays["cumulative_logprob"] = np.array(cumulative if cumulative is not None else totals, dtype=np.float32)
+    if req.return_output_ids:
+        arrays["output_ids"] = _output_ids(id_lists)
+    if req.return_logprobs:
+        arrays["logprobs"] = np.array(
+            [json.dumps(vllm_logprobs(lps, decode_token) if req.asked_logprobs else None).encode()
+             for lps in logprob_lists], dtype=np.object_)
+    return arrays
+
+
+def _sample_parts(req: ParsedRequest, outs: list[Any], prefix: str, new: int | None,
+                  cumulative: list[float] | None) -> tuple[list, list, list, list, list]:
+    """Per sample: its text, token ids, logprobs and finish reason for this response, and its logprob sum where
+    the caller keeps none (response_arrays says which part of each output a response carries)."""
     texts, id_lists, logprob_lists, reasons, totals = [], [], [], [], []
     for i, out in enumerate(outs):
         if out is None or (req.stream and i != new):  # streaming: nothing new for this sample
@@ -183,29 +208,15 @@ def response_arrays(req: ParsedRequest, outs: list[Any], prefix: str = "",
         reasons.append(out.finish_reason if out is not None and out.finished and out.finish_reason else "None")
         if req.return_cumulative_logprob and cumulative is None:
             totals.append(sum(entry["logprob"] for entry in out.logprobs or ()) if out is not None else 0.0)
-    arrays = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
-    if req.return_finish_reason:
-        arrays["finish_reason"] = np.array([r.encode() for r in reasons], dtype=np.object_)
-    # token counts are UINT32, as the vLLM backend sends them (Triton's OpenAI frontend reads usage from UINT32 only)
-    if req.return_num_input_tokens:
-        first = next(out for out in outs if out is not None)
-        arrays["num_input_tokens"] = np.array([first.num_prompt_tokens], dtype=np.uint32)
-    if req.return_num_output_tokens:
-        arrays["num_output_tokens"] = np.array([len(ids) for ids in id_lists], dtype=np.uint32)
-    if req.return_cumulative_logprob:  # the sum over every output token so far, also when streaming
-        arrays["cumulative_logprob"] = np.array(cumulative if cumulative is not None else totals, dtype=np.float32)
-    if req.return_output_ids:
-        if len(outs) == 1:
-            arrays["output_ids"] = np.asarray(id_lists[0], dtype=np.int64).reshape(-1)
-        else:  # n rows of one width, padded with -1, back to back (reshape to (n, -1))
-            width = max(map(len, id_lists))
-            arrays["output_ids"] = np.array([t for ids in id_lists for t in ids + [-1] * (width - len(ids))],
-                                            dtype=np.int64)
-    if req.return_logprobs:
-        arrays["logprobs"] = np.array(
-            [json.dumps(vllm_logprobs(lps, decode_token) if req.asked_logprobs else None).encode()
-             for lps in logprob_lists], dtype=np.object_)
-    return arrays
+    return texts, id_lists, logprob_lists, reasons, totals
+
+
+def _output_ids(id_lists: list[list[int]]) -> np.ndarray:
+    """One sample's ids; n samples' as rows of one width, padded with -1, back to back (reshape to (n, -1))."""
+    if len(id_lists) == 1:
+        return np.asarray(id_lists[0], dtype=np.int64).reshape(-1)
+    width = max(map(len, id_lists))
+    return np.array([t for ids in id_lists for t in ids + [-1] * (width - len(ids))], dtype=np.int64)
 
 
 def vllm_logprobs(entries: list[dict], decode_token: Callable[[int], str]) -> list[dict[str, dict]]:
