@@ -14,8 +14,9 @@ speculation), the speculating engine with every request opting out, the speculat
 draft policy (a fresh one per run) and, to show what verifying costs, with every row drafting k at every step; with
 --draft-model, a draft model's engine too, doing all its drafting work but handing out the oracle's drafts (its cost
 at a chosen acceptance). Prints a table and one JSON line; tok/s counts output tokens over the wall time,
-"kept" the share of drafted tokens accepted, "tokens/draft" the mean acceptance length (tokens a drafting row emits
-in a verify step: its accepted drafts and the model's own token after them), "host µs/step" the median CPU time of
+"proposed" and "accepted" the run's drafted tokens and those of them kept (raw counts), "kept" the share of drafted
+tokens accepted, "tokens/draft" the mean acceptance length (tokens a drafting row emits in a verify step: its
+accepted drafts and the model's own token after them), "host µs/step" the median CPU time of
 a step outside its wait (the engine timeline's spans) with two of its phases: pack (a drafted step's proposing and
 block taking included) and update (its settling and accepting). A drafted step runs on the synchronous pipeline, so
 its host time is time the GPU waits. `--model stand-in --device cpu --dtype float32 --no-peaked` measures that host
@@ -148,6 +149,7 @@ def run_batch(plain: Engine, spec: Engine, batch: int, args, vocab: int, draftin
         mode = ("oracle" if engine is spec else "draft model + oracle") + f" k={args.k}, "
         mode += "policy" if adaptive else "every step"
         rows.append(dict(batch=batch, mode=mode, alpha=alpha, tok_per_s=tokens / seconds,
+                         proposed_tokens=proposed, accepted_tokens=accepted,
                          accepted_share=accepted / proposed if proposed else 0.0,
                          mean_acceptance_length=1 + accepted / spans if spans else 1.0, drafted_steps=steps,
                          outputs_as_recorded=float(same), **host))
@@ -205,12 +207,13 @@ def main(argv=None) -> int:
             drafting.shutdown()
         spec.shutdown()
         plain.shutdown()
-    print(f"{'batch':>5}  {'mode':<38} {'alpha':>5}  {'tok/s':>9}  {'÷ async':>7}  {'kept':>5}  {'tokens/draft':>12}  "
-          f"{'as recorded':>11}  {'host µs/step (pack, update)':>27}")
+    print(f"{'batch':>5}  {'mode':<38} {'alpha':>5}  {'tok/s':>9}  {'÷ async':>7}  {'proposed':>8}  {'accepted':>8}  "
+          f"{'kept':>5}  {'tokens/draft':>12}  {'as recorded':>11}  {'host µs/step (pack, update)':>27}")
     for r in rows:
         alpha = "" if r["alpha"] is None else f"{r['alpha']:.2f}"
-        extra = (f"{r['accepted_share']:>5.2f}  {r['mean_acceptance_length']:>12.2f}  {r['outputs_as_recorded']:>11.2f}"
-                 if r["alpha"] is not None else " " * 32)
+        extra = (f"{r['proposed_tokens']:>8}  {r['accepted_tokens']:>8}  {r['accepted_share']:>5.2f}  "
+                 f"{r['mean_acceptance_length']:>12.2f}  {r['outputs_as_recorded']:>11.2f}"
+                 if r["alpha"] is not None else " " * 52)
         host = f"{r['cpu_us_per_step']:.0f} ({r['cpu_us_pack']:.0f}, {r['cpu_us_update']:.0f})"
         print(f"{r['batch']:>5}  {r['mode']:<38} {alpha:>5}  {r['tok_per_s']:>9.1f}  {r['vs_async']:>7.3f}  {extra}  "
               f"{host:>27}")

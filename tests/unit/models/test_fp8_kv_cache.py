@@ -2,6 +2,7 @@
 
 - Capacity: the KV tensor is e4m3 and the same byte budget holds as many more blocks as the model's element size
   is wider (twice for bf16, four times for float32); every block comes back once the requests finish.
+- Stats: engine.stats() counts the fp8 cache's blocks (kv_blocks_used, kv_blocks_total, kv_usage) as they are held.
 - Exactness, on the CPU's torch path: greedy tokens equal transformers' greedy generate whose KV cache rounds its
   keys and values through e4m3 the way ours stores them (quantize_kv by the layer's scale, then dequantize_kv),
   with a different scale in each layer; without that rounding transformers' tokens differ, so the test sees it.
@@ -81,6 +82,44 @@ def test_the_same_bytes_hold_more_blocks(llama, dtype, times):
     finally:
         for engine in engines.values():
             engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype,times", [("bfloat16", 2), ("float32", 4)])
+def test_stats_report_the_fp8_cache_blocks_while_requests_hold_them(llama, dtype, times):
+    """Snapshots of engine.stats() after every step, with the byte budget of 32 blocks of the model's dtype: the
+    fp8 cache's kv_blocks_total is the block count it was sized to (32 × the element size, less the null block),
+    its kv_blocks_used at each step is what the model-dtype cache holds at that step (blocks count tokens, not
+    bytes), kv_usage is used / total, and every block is back once the requests finish."""
+    model_dtype = getattr(torch, dtype)
+    budget = 32 * load_model(llama).spec.kv_bytes_per_block(4, model_dtype)
+    prompts, params = random_prompts([9, 30]), [greedy(20), greedy(14)]
+    prompt_blocks = sum(-(-len(p) // 4) for p in prompts)
+    seen = {}
+    for kv in ("auto", "fp8"):
+        engine = make_engine(llama, None, dtype=dtype, kv_cache_dtype=kv, kv_cache_cpu_bytes=budget,
+                             async_pipeline=False, enable_prefix_caching=False)
+        try:
+            snapshots, refresh = [], engine.loop.refresh_stats
+
+            def recording(refresh=refresh, engine=engine, snapshots=snapshots):
+                refresh()
+                snapshots.append(engine.stats())
+
+            engine.loop.refresh_stats = recording
+            engine.generate(prompts, params)
+            assert kv_blocks_used_after_settling(engine) == 0
+            final = engine.stats()
+            assert (final["kv_blocks_used"], final["kv_usage"], final["running"]) == (0, 0.0, 0)
+            sized = engine.runner.kv_cache.shape[2] - 1  # the blocks the cache holds, less the null block
+            seen[kv] = [s["kv_blocks_used"] for s in snapshots if s["running"]]
+            for s in snapshots:
+                assert s["kv_blocks_total"] == sized
+                assert s["kv_usage"] == pytest.approx(s["kv_blocks_used"] / sized, abs=1e-12)
+        finally:
+            engine.shutdown()
+        assert sized == (32 * times if kv == "fp8" else 32) - 1
+        assert max(seen[kv]) > prompt_blocks  # the snapshots saw the blocks grow past the prompts' as tokens came
+    assert seen["fp8"] == seen["auto"]
 
 
 def test_fp8_cache_needs_the_layers_scales(llama):

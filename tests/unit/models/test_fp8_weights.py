@@ -226,3 +226,55 @@ def test_random_llama_3_70b_shape(tmp_path):
     assert (config["vocab_size"], config["rope_parameters"]["rope_theta"]) == (128256, 500000.0)
     n_linear = 80 * (8192 * (64 + 16) * 128 + 8192 * 8192 + 3 * 8192 * 28672)
     assert 68e9 < n_linear + 2 * 2 * 128256 * 8192 < 73e9  # FP8 linears + bf16 embeddings and LM head, bytes
+
+
+class _TorchWithMetaDraws:
+    """torch for random_model, whose generator is a CPU one on the meta device (torch has none there; a meta
+    tensor's normal_ draws nothing): random weights drawn on meta have their shapes and dtypes, and no storage."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def Generator(device=None):  # torch's own name: random_model calls torch.Generator(device=...)
+        return torch.Generator("cpu" if torch.device(device).type == "meta" else device)
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_random_llama_3_70b_has_its_parameters_and_bytes(tmp_path, monkeypatch, quantization):
+    """The 70B shape built on the meta device (nothing allocated): 70,553,706,496 parameters, 68.45e9 of them in
+    linear weights; bf16 takes 2 bytes each, quantization=fp8 1 byte a linear weight plus a float32 scale per output
+    channel, the embeddings, LM head and norms staying bf16 (72.68e9 bytes, about half)."""
+    from backend.models import random_model
+
+    monkeypatch.setattr(random_model, "torch", _TorchWithMetaDraws())
+    model = load_model(random_checkpoint("llama-3-70b", tmp_path), dtype=torch.bfloat16, device="meta",
+                       quantization=quantization)
+    hidden, inter, layers, heads, kv_heads, vocab, head_dim = 8192, 28672, 80, 64, 8, 128256, 8192 // 64
+    rows = {"qkv": (heads + 2 * kv_heads) * head_dim, "o": hidden, "gate_up": 2 * inter, "down": hidden}
+    cols = {"qkv": hidden, "o": heads * head_dim, "gate_up": hidden, "down": inter}
+    n_linear = layers * sum(rows[name] * cols[name] for name in rows)
+    n_other = 2 * vocab * hidden + (2 * layers + 1) * hidden  # embeddings, LM head (untied), norms
+    assert (n_linear, n_linear + n_other) == (68_451_041_280, 70_553_706_496)
+    params = dict(model.named_parameters())
+    assert all(p.device.type == "meta" for p in params.values())
+    linear = {n: p for n, p in params.items() if n.rsplit(".", 1)[-1] in {f"{name}_weight" for name in rows}}
+    scales = {n: p for n, p in params.items() if n.endswith("_scale")}
+    other = {n: p for n, p in params.items() if n not in linear and n not in scales}
+    assert len(linear) == 4 * layers and sum(p.numel() for p in linear.values()) == n_linear
+    assert sum(p.numel() for p in other.values()) == n_other
+    assert {p.dtype for p in other.values()} == {torch.bfloat16}
+
+    def nbytes(tensors):
+        return sum(p.numel() * p.element_size() for p in tensors.values())
+
+    if quantization == "none":
+        assert not scales and {p.dtype for p in linear.values()} == {torch.bfloat16}
+        assert nbytes(params) == 2 * (n_linear + n_other) == 141_107_412_992
+        return
+    assert {p.dtype for p in linear.values()} == {fp8.FP8_DTYPE}
+    assert {p.dtype for p in scales.values()} == {torch.float32}
+    assert {n: tuple(p.shape) for n, p in scales.items()} == {
+        f"layers.{i}.{name}_scale": (rows[name],) for i in range(layers) for name in rows}
+    want = n_linear + 4 * layers * sum(rows.values()) + 2 * n_other
+    assert nbytes(params) == want == 72_683_241_472

@@ -171,12 +171,14 @@ def test_per_token_rules_hold_on_kept_tokens(path, case):
         assert counts["spec_accepted_tokens"] > 0
 
 
-def test_rows_with_logit_edits_or_opting_out_do_not_speculate(path):
+@pytest.mark.parametrize("extra", [dict(speculate=False), dict(logit_bias={5: 2.0}), dict(min_tokens=3),
+                                   dict(bad_words=["<73>", "<8>"]), dict(allowed_token_ids=list(range(2, 200, 3)))],
+                         ids=["speculate_false", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids"])
+def test_rows_with_logit_edits_or_opting_out_do_not_speculate(path, extra):
     prompts = random_prompts([6, 9], seed=8)
-    for extra in (dict(speculate=False), dict(logit_bias={5: 2.0}), dict(min_tokens=3)):
-        params = [SamplingParams(max_tokens=10, temperature=0.0, **extra)] * 2
-        counts, _ = _equal_with_oracle(path, prompts, params)
-        assert counts["spec_proposed_tokens"] == 0, extra
+    params = [SamplingParams(max_tokens=10, temperature=0.0, **extra)] * 2
+    counts, _ = _equal_with_oracle(path, prompts, params)
+    assert counts["spec_proposed_tokens"] == 0, extra
 
 
 @pytest.mark.parametrize("penalty", [dict(repetition_penalty=1.3), dict(presence_penalty=0.8),

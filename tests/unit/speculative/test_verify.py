@@ -1,5 +1,6 @@
 """Verifying drafts: the kept tokens are exactly the ones sampling alone would make, step after step (greedy and
-seeded sampling), and a draft is kept with the probability the model gives it (a chi-square test)."""
+seeded sampling), and a draft is kept with the probability the model gives it, at the first drafted position and at a
+later one (chi-square tests)."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,6 +61,30 @@ def test_a_draft_is_kept_with_the_probability_the_model_gives_it():
     first = sampled[:, 0]  # the emitted token: the kept draft, or the model's own token in its place
     observed = torch.bincount(first, minlength=6).double()
     expected = probs.double() * n
+    assert ((observed - expected) ** 2 / expected).sum().item() < 20.52
+
+
+def test_a_later_draft_is_kept_with_the_probability_the_model_gives_it_there():
+    """Two drafted positions, vocabulary 6, another distribution at each; 12,000 seeds. Among the rows whose first
+    draft (token 1, p = 0.5) is kept, the second (token 2) is kept as often as position 2's p(2) says, and the token
+    emitted there follows position 2's p (chi-square, 5 degrees of freedom: 20.52 is its 0.999 quantile)."""
+    first_probs = torch.tensor([0.1, 0.5, 0.1, 0.1, 0.1, 0.1])
+    probs = torch.tensor([0.05, 0.1, 0.3, 0.25, 0.2, 0.1])
+    n = 12_000
+    rest = torch.full((6,), 1 / 6)  # after the second draft: any distribution, never checked
+    logits = torch.stack([first_probs, probs, rest]).log().expand(n, 3, 6).reshape(3 * n, 6)
+    params = [SamplingParams(temperature=1.0)] * n
+    expanded = expand_rows(_tensors(params, list(range(n)), [0] * n), 3)
+    sampled = Sampler()(logits, expanded).token_ids.reshape(n, 3)
+    accepted = np.array(StepDrafts([[1, 2]] * n).kept(sampled.reshape(-1).tolist()))
+    after_first = accepted >= 1
+    m = int(after_first.sum())
+    assert abs(m / n - 0.5) < 4 * np.sqrt(0.5 * 0.5 / n)
+    kept = np.mean(accepted[after_first] == 2)
+    assert abs(kept - 0.3) < 4 * np.sqrt(0.3 * 0.7 / m)
+    second = sampled[torch.from_numpy(after_first), 1]  # the kept second draft, or the model's token in its place
+    observed = torch.bincount(second, minlength=6).double()
+    expected = probs.double() * m
     assert ((observed - expected) ** 2 / expected).sum().item() < 20.52
 
 
