@@ -1,8 +1,10 @@
 """python -m bench.grammar_bench: xgrammar beside llguidance, the candidate grammar libraries for structured outputs.
 
-Neither is a project dependency: `pip install xgrammar llguidance` (measured with xgrammar 0.2.9, llguidance 1.9.1).
+llguidance is a project dependency (structured outputs run on it); xgrammar is not: `pip install xgrammar`
+(measured with xgrammar 0.2.9, llguidance 1.9.1).
 On the default model's tokenizer (SmolLM2: 49,152 tokens) and the byte-level tokenizer the random Llama-3 shapes are
-served with (257 tokens in a 128,256-wide vocabulary; `--tokenizer` adds a checkpoint folder's), for each library:
+served with (257 tokens in a 128,256-wide vocabulary; `--tokenizer` adds a checkpoint folder's, or with
+`--tokenizer llama-3-style` one of 128,256 tokens made like Llama 3's), for each library:
 building its tokenizer info; compiling a tool-call JSON schema, a regex, a choice and an EBNF grammar, cold and
 cached, and the first mask after a cold compile; filling the token bitmask for 1, 32 and 256 rows, each row its own
 matcher advanced through valid tool calls; correctness (valid outputs accepted token by token with EOS allowed only
@@ -23,7 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from bench import llama3_style_tokenizer
+
 LIBRARIES = ("xgrammar", "llguidance")
+LLAMA3_STYLE = "llama-3-style"  # --tokenizer's name for bench/llama3_style_tokenizer.py's 128,256-token vocabulary
 INSTALL_HINT = "pip install xgrammar llguidance"
 
 TOOL_SCHEMA = {  # an OpenAI function's parameters, as a forced tool call sends them
@@ -186,6 +191,10 @@ def load_tokenizers(extra_folders: list[str]) -> list[TokenizerCase]:
     cases = []
     for name, folder in [("smollm2", resolve_model_path(DEFAULT_ALIAS))] + [(os.path.basename(f.rstrip("/")), f)
                                                                          for f in extra_folders]:
+        if folder == LLAMA3_STYLE:
+            tok = llama3_style_tokenizer.load()
+            cases.append(TokenizerCase(LLAMA3_STYLE, tok, SHAPES["llama-3-8b"]["vocab_size"], tok.eos_token_id))
+            continue
         tok = AutoTokenizer.from_pretrained(folder)
         config = os.path.join(folder, "config.json")
         vocab = json.load(open(config))["vocab_size"] if os.path.isfile(config) else len(tok)
@@ -544,7 +553,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="threads of each library's batched fill and compiler (default: every CPU)")
     ap.add_argument("--tokenizer", action="append", default=[], metavar="FOLDER",
-                    help="also a checkpoint folder's tokenizer (its config.json's vocab_size is the mask's width)")
+                    help="also a checkpoint folder's tokenizer (its config.json's vocab_size is the mask's width), "
+                         f"or {LLAMA3_STYLE}: a tokenizer made like Llama 3's (bench/llama3_style_tokenizer.py)")
     ap.add_argument("--checks-only", action="store_true", help="correctness and keywords only, no timings")
     ap.add_argument("--no-keywords", dest="keywords", action="store_false", help="skip the JSON-schema keywords")
     args = ap.parse_args(argv)
